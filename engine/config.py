@@ -1,0 +1,192 @@
+"""Model configuration read from a Hugging Face checkpoint folder.
+
+Owns: turning config.json / generation_config.json into a frozen, validated
+`ModelConfig`, and the RoPE inverse frequencies that config implies. Anything
+the model code cannot run faithfully is a `CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.types import CheckpointError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and numerics of a Llama-family decoder; hashable so jit can close over it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str = "default"
+    rope_params: tuple[tuple[str, float], ...] = ()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Inverse frequencies (head_dim // 2,) float32, computed as transformers does."""
+        exponent = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32)
+        inv_freq = (1.0 / (np.float32(self.rope_theta) ** (exponent / self.head_dim))).astype(
+            np.float32
+        )
+        params = dict(self.rope_params)
+        if self.rope_type == "linear":
+            return (inv_freq / np.float32(params["factor"])).astype(np.float32)
+        if self.rope_type == "llama3":
+            return _llama3_inv_freq(inv_freq, params)
+        return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, params: dict[str, float]) -> np.ndarray:
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, or a CheckpointError saying which file is bad and how."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _require(raw: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in raw or raw[key] is None:
+        raise CheckpointError(f"{path}: missing required field {key!r}")
+    return raw[key]
+
+
+def _rope(raw: dict[str, Any], path: Path) -> tuple[float, str, tuple[tuple[str, float], ...]]:
+    """RoPE theta/type/params from either transformers 5 `rope_parameters` or older fields."""
+    scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise CheckpointError(f"{path}: rope parameters must be an object, got {scaling!r}")
+    theta = float(scaling.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"{path}: unsupported RoPE type {rope_type!r} (supported: {SUPPORTED_ROPE_TYPES})"
+        )
+    needed = {
+        "default": (),
+        "linear": ("factor",),
+        "llama3": (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ),
+    }[rope_type]
+    missing = [k for k in needed if k not in scaling]
+    if missing:
+        raise CheckpointError(f"{path}: RoPE type {rope_type!r} is missing {missing}")
+    return theta, rope_type, tuple((k, float(scaling[k])) for k in needed)
+
+
+def _eos_ids(*values: Any) -> tuple[int, ...]:
+    for value in values:
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        return tuple(sorted({int(i) for i in ids}))
+    return ()
+
+
+def load_model_config(folder: str | Path) -> ModelConfig:
+    """Parse config.json (and generation_config.json when present) of a checkpoint folder."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    raw = read_json(path)
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise CheckpointError(
+            f"{path}: unsupported architecture {archs!r} (supported: {SUPPORTED_ARCHITECTURES})"
+        )
+    if raw.get("mlp_bias"):
+        raise CheckpointError(f"{path}: mlp_bias=true is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported")
+    sliding_window = raw.get("sliding_window")
+    if arch == "Qwen2ForCausalLM":
+        if raw.get("use_sliding_window"):
+            raise CheckpointError(f"{path}: Qwen2 use_sliding_window=true is not supported")
+        sliding_window = None
+    elif arch == "LlamaForCausalLM":
+        sliding_window = None
+    hidden = int(_require(raw, "hidden_size", path))
+    heads = int(_require(raw, "num_attention_heads", path))
+    theta, rope_type, rope_params = _rope(raw, path)
+    gen_path = folder / "generation_config.json"
+    gen = read_json(gen_path) if gen_path.exists() else {}
+    attention_bias = bool(raw.get("attention_bias", False))
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=int(_require(raw, "vocab_size", path)),
+        hidden_size=hidden,
+        num_layers=int(_require(raw, "num_hidden_layers", path)),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        intermediate_size=int(_require(raw, "intermediate_size", path)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_type=rope_type,
+        rope_params=rope_params,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+        o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+        sliding_window=int(sliding_window) if sliding_window else None,
+        eos_token_ids=_eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id")),
+        bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
+    )
+    if config.num_heads % config.num_kv_heads:
+        raise CheckpointError(
+            f"{path}: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {config.num_kv_heads}"
+        )
+    return config

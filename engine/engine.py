@@ -1,0 +1,306 @@
+"""The slot engine: a checkpoint's model behind prefill -> insert -> generate.
+
+Runs on: whichever thread calls it (the orchestrator's stages). Owns: params
+placed on the mesh and the jitted functions, compiled once per shape; the
+decode state is passed in and out (donated), never kept here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.checkpoint import load_params
+from engine.config import load_model_config
+from engine.mesh import default_mesh, replicated
+from engine.model import prefill_forward
+from engine.sampling import SamplingArrays, host_arrays, sample
+from engine.state import DecodeState, decode_step, empty_state, free_slot, insert_prefix
+from engine.types import (
+    MAX_LOGPROBS,
+    Prefix,
+    PromptTooLongError,
+    SamplingParams,
+    StepOutput,
+    TokenLogprobs,
+)
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DEFAULT_MAX_MODEL_LEN = 4096
+MIN_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What to load and the fixed shapes to serve it with."""
+
+    model_path: str | Path
+    dtype: str = "float32"
+    max_slots: int = 8
+    max_model_len: int | None = None
+    prefill_buckets: tuple[int, ...] | None = None
+    max_prefill_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_prefill_len is not None and self.max_prefill_len < 1:
+            raise ValueError(f"max_prefill_len must be >= 1, got {self.max_prefill_len}")
+        if self.prefill_buckets is not None:
+            buckets = tuple(self.prefill_buckets)
+            if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+                raise ValueError(
+                    f"prefill_buckets must be positive and strictly increasing, got {buckets}"
+                )
+
+
+def default_buckets(max_prefill_len: int) -> tuple[int, ...]:
+    """Powers of two from 16, ending with max_prefill_len itself."""
+    buckets, size = [], MIN_BUCKET
+    while size < max_prefill_len:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_prefill_len)
+    return tuple(buckets)
+
+
+def resolve_shapes(
+    config: EngineConfig, max_position_embeddings: int
+) -> tuple[int, tuple[int, ...]]:
+    """(max_model_len, prefill_buckets) after defaults, validated against each other."""
+    max_len = config.max_model_len or min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if config.max_model_len is not None and max_len > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+            f"{max_position_embeddings}"
+        )
+    if config.prefill_buckets is not None:
+        buckets = tuple(config.prefill_buckets)
+    else:
+        buckets = default_buckets(min(config.max_prefill_len or max_len, max_len))
+    if buckets[-1] > max_len:
+        raise ValueError(f"prefill bucket {buckets[-1]} exceeds max_model_len {max_len}")
+    return max_len, buckets
+
+
+class Engine:
+    """Implements engine.types.EngineProtocol on a real JAX model."""
+
+    def __init__(self, config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> None:
+        self.config = config
+        self.model_config = cfg = load_model_config(config.model_path)
+        self.max_slots = config.max_slots
+        self.max_model_len, self.prefill_buckets = resolve_shapes(
+            config, cfg.max_position_embeddings
+        )
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.vocab_size = cfg.vocab_size
+        self.dtype = DTYPES[config.dtype]
+        self.mesh = mesh if mesh is not None else default_mesh()
+        self._sharding = replicated(self.mesh)
+        host_params = load_params(config.model_path, cfg, config.dtype)
+        self.params = jax.device_put(host_params, self._sharding)
+        self._inv_freq = jax.device_put(cfg.rope_inv_freq(), self._sharding)
+        eos = np.zeros((cfg.vocab_size,), bool)
+        eos[[i for i in cfg.eos_token_ids if 0 <= i < cfg.vocab_size]] = True
+        self._eos_mask = jax.device_put(eos, self._sharding)
+        self._prefill = jax.jit(
+            functools.partial(self._prefill_impl, cfg=cfg), static_argnames=("all_logits",)
+        )
+        self._resample = jax.jit(functools.partial(self._sample_first, eos_mask=self._eos_mask))
+        self._init_state = jax.jit(
+            functools.partial(empty_state, cfg, self.max_slots, self.max_model_len, self.dtype),
+            out_shardings=self._sharding,
+        )
+        self._insert = jax.jit(insert_prefix, donate_argnums=(0,))
+        self._free = jax.jit(free_slot, donate_argnums=(0,))
+        self._generate = jax.jit(
+            functools.partial(decode_step, cfg=cfg), donate_argnums=(1,)
+        )
+        logger.info(
+            "engine ready: %s, %d slots, max_model_len %d, buckets %s, %s",
+            cfg.architecture,
+            self.max_slots,
+            self.max_model_len,
+            self.prefill_buckets,
+            config.dtype,
+        )
+
+    @property
+    def max_prompt_len(self) -> int:
+        return min(self.prefill_buckets[-1], self.max_model_len - 1)
+
+    # -- pure functions behind the jits ------------------------------------------------------
+
+    @staticmethod
+    def _sample_first(
+        last_logits: jax.Array, sampling: SamplingArrays, eos_mask: jax.Array
+    ) -> Any:
+        """Sample the first generated token (key index 0, nothing generated yet)."""
+        batched = jax.tree.map(lambda a: a[None], sampling)
+        zero = jnp.zeros((1,), jnp.int32)
+        counts = jnp.zeros((1, last_logits.shape[-1]), jnp.int32)
+        out = sample(last_logits[None], batched, zero, counts, zero, eos_mask)
+        return jax.tree.map(lambda a: a[0], out)
+
+    def _prefill_impl(
+        self,
+        params: Any,
+        tokens: jax.Array,
+        length: jax.Array,
+        sampling: SamplingArrays,
+        inv_freq: jax.Array,
+        eos_mask: jax.Array,
+        *,
+        cfg: Any,
+        all_logits: bool,
+    ) -> dict[str, Any]:
+        logits, k, v = prefill_forward(params, tokens, length, inv_freq, cfg, all_logits)
+        last = logits[length - 1] if all_logits else logits[0]
+        out = {"k": k, "v": v, "last_logits": last, "first": self._sample_first(last, sampling, eos_mask)}
+        if all_logits:
+            logprobs = jax.nn.log_softmax(logits, axis=-1)
+            nxt = jnp.roll(tokens, -1)
+            out["prompt_chosen"] = jnp.take_along_axis(logprobs, nxt[:, None], axis=-1)[:, 0]
+            out["prompt_top"] = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+        return out
+
+    # -- EngineProtocol ----------------------------------------------------------------------
+
+    def init_state(self) -> DecodeState:
+        return self._init_state()
+
+    def bucket_for(self, length: int) -> int:
+        if length > self.max_prompt_len:
+            raise PromptTooLongError(length, self.max_prompt_len)
+        return next(b for b in self.prefill_buckets if b >= length)
+
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        prompt_logprobs: bool = False,
+    ) -> Prefix:
+        length = len(token_ids)
+        if length == 0:
+            raise ValueError("the prompt must have at least one token")
+        bucket = self.bucket_for(length)
+        padded = np.zeros((bucket,), np.int32)
+        padded[:length] = np.asarray(token_ids, np.int32)
+        out = self._prefill(
+            self.params,
+            padded,
+            np.int32(length),
+            host_arrays(sampling),
+            self._inv_freq,
+            self._eos_mask,
+            all_logits=prompt_logprobs,
+        )
+        first = out["first"]
+        prefix = Prefix(
+            length=length,
+            sampling=sampling,
+            token=first.token,
+            logprob=first.logprob,
+            top_ids=first.top_ids,
+            top_logprobs=first.top_logprobs,
+            cache=(out["k"], out["v"]),
+            last_logits=out["last_logits"],
+        )
+        if prompt_logprobs:
+            prefix.prompt_logprobs = _prompt_logprobs(
+                token_ids, out["prompt_chosen"], out["prompt_top"], sampling.logprobs or 0
+            )
+        return prefix
+
+    def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
+        first = self._resample(prefix.last_logits, host_arrays(sampling))
+        return Prefix(
+            length=prefix.length,
+            sampling=sampling,
+            token=first.token,
+            logprob=first.logprob,
+            top_ids=first.top_ids,
+            top_logprobs=first.top_logprobs,
+            cache=prefix.cache,
+            last_logits=prefix.last_logits,
+            prompt_logprobs=prefix.prompt_logprobs,
+        )
+
+    def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:
+        self._check_slot(slot)
+        k, v = prefix.cache
+        return self._insert(
+            state, np.int32(slot), k, v, np.int32(prefix.length), prefix.token,
+            host_arrays(prefix.sampling),
+        )
+
+    def generate(self, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+        state, out, active, _ = self._generate(self.params, state, self._inv_freq, self._eos_mask)
+        return state, StepOutput(
+            tokens=out.token,
+            logprobs=out.logprob,
+            top_ids=out.top_ids,
+            top_logprobs=out.top_logprobs,
+            active=active,
+        )
+
+    def generate_with_logits(self, state: DecodeState) -> tuple[DecodeState, StepOutput, Any]:
+        """generate() plus the step's raw logits (slots, vocab), for tests and debugging."""
+        state, out, active, logits = self._generate(
+            self.params, state, self._inv_freq, self._eos_mask
+        )
+        step = StepOutput(out.token, out.logprob, out.top_ids, out.top_logprobs, active)
+        return state, step, logits
+
+    def free(self, state: DecodeState, slot: int) -> DecodeState:
+        self._check_slot(slot)
+        return self._free(state, np.int32(slot))
+
+    def warmup(self) -> None:
+        """Compile every shape serving can meet: each bucket (both variants), insert, step."""
+        sampling = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=0, logprobs=1)
+        state = self.init_state()
+        for bucket in self.prefill_buckets:
+            length = min(bucket, self.max_prompt_len)
+            self.prefill([0] * length, sampling, prompt_logprobs=True)
+            prefix = self.prefill([0] * length, sampling)
+            state = self.insert(prefix, state, 0)
+        prefix = self.resample(prefix, sampling)
+        state, out = self.generate(state)
+        state = self.free(state, 0)
+        jax.block_until_ready((state, out))
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot must be in 0..{self.max_slots - 1}, got {slot}")
+
+
+def _prompt_logprobs(
+    token_ids: Sequence[int], chosen: jax.Array, top: tuple[jax.Array, jax.Array], n: int
+) -> list[TokenLogprobs | None]:
+    """Host list: None, then for position i the logprob of token i given tokens < i."""
+    chosen_np = np.asarray(chosen)
+    top_lp, top_ids = (np.asarray(a) for a in top)
+    result: list[TokenLogprobs | None] = [None]
+    for i in range(1, len(token_ids)):
+        alternatives = tuple(
+            (int(top_ids[i - 1, j]), float(top_lp[i - 1, j])) for j in range(n)
+        )
+        result.append(TokenLogprobs(int(token_ids[i]), float(chosen_np[i - 1]), alternatives))
+    return result

@@ -1,0 +1,184 @@
+"""The Llama-family decoder as pure functions of (params, inputs, cache).
+
+Owns: the math of one forward pass, for a padded prompt (prefill) and for one
+token per slot (decode). Covers Llama (default / linear / llama3 RoPE),
+Mistral (sliding window) and Qwen2 (q/k/v bias): grouped-query attention,
+RMSNorm, SwiGLU, tied or untied embeddings.
+
+Layout: weights (out, in), contracted on their last axes; layers stacked on a
+leading axis and scanned; the KV cache is (layers, slots, kv_heads, length,
+head_dim) so each kv head's keys are one contiguous (length, head_dim) block.
+The decode step updates the cache in place (scan carry + scatter), never
+rebuilding it per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from engine.config import ModelConfig
+
+Params = dict[str, Any]
+F32 = jnp.float32
+
+
+def linear(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
+    """x (..., in) times w (out, in) contracted on the last axes -> (..., out)."""
+    return lax.dot_general(
+        x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=preferred
+    )
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(F32)
+    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array, dtype: Any) -> tuple[jax.Array, ...]:
+    """cos, sin of shape positions.shape + (head_dim,), in the rotate-half convention."""
+    freqs = positions.astype(F32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x (..., heads, head_dim); cos/sin (..., head_dim) broadcast over heads."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
+
+
+def _qkv(
+    lp: Params, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = linear(h, lp["wqkv"])
+    if "bqkv" in lp:
+        qkv = qkv + lp["bqkv"]
+    lead = x.shape[:-1]
+    q = qkv[..., : cfg.q_size].reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(
+        *lead, cfg.num_kv_heads, cfg.head_dim
+    )
+    v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _finish(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Output projection, residual, and the SwiGLU MLP block."""
+    out = linear(attn, lp["wo"])
+    if "bo" in lp:
+        out = out + lp["bo"]
+    x = x + out
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate_up = linear(h, lp["w_gate_up"])
+    gate, up = gate_up[..., : cfg.intermediate_size], gate_up[..., cfg.intermediate_size :]
+    return x + linear(jax.nn.silu(gate) * up, lp["w_down"])
+
+
+def _visible(q_pos: jax.Array, k_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Causal (and sliding-window) visibility of key positions from query positions."""
+    mask = k_pos <= q_pos
+    if cfg.sliding_window is not None:
+        mask = mask & (k_pos > q_pos - cfg.sliding_window)
+    return mask
+
+
+def _softmax_attend(scores: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array:
+    scores = jnp.where(mask, scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def logits_of(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm and vocabulary projection, float32 logits."""
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return linear(x, head, preferred=F32).astype(F32)
+
+
+def prefill_forward(
+    params: Params,
+    tokens: jax.Array,
+    length: jax.Array,
+    inv_freq: jax.Array,
+    cfg: ModelConfig,
+    all_logits: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One prompt padded to T tokens -> (logits, k, v).
+
+    logits is (T, vocab) when all_logits else (1, vocab) at position length-1;
+    k, v are (layers, kv_heads, T, head_dim). Padding positions only see the
+    real tokens before them, so the real positions' values are exact.
+    """
+    t = tokens.shape[0]
+    dtype = params["embed"].dtype
+    x = params["embed"][tokens]
+    positions = jnp.arange(t, dtype=jnp.int32)
+    cos, sin = rope_tables(positions, inv_freq, dtype)
+    mask = _visible(positions[:, None], positions[None, :], cfg)
+    groups = cfg.num_heads // cfg.num_kv_heads
+    scale = cfg.head_dim**-0.5
+
+    def layer(x: jax.Array, lp: Params) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        q, k, v = _qkv(lp, x, cfg, cos, sin)
+        qg = q.reshape(t, cfg.num_kv_heads, groups, cfg.head_dim)
+        scores = jnp.einsum("tkgd,skd->kgts", qg, k) * jnp.asarray(scale, dtype)
+        probs = _softmax_attend(scores.astype(F32), mask, dtype)
+        attn = jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.q_size)
+        return _finish(lp, x, attn, cfg), (k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+
+    x, (k, v) = lax.scan(layer, x, params["layers"])
+    if not all_logits:
+        x = lax.dynamic_slice_in_dim(x, length - 1, 1, axis=0)
+    return logits_of(params, x, cfg), k, v
+
+
+def decode_forward(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    inv_freq: jax.Array,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per slot at its position -> (logits (slots, vocab), k_cache, v_cache).
+
+    Each slot's new K/V is written at [layer, slot, :, position]; attention reads
+    positions <= position. Callers keep positions < cache length.
+    """
+    slots = tokens.shape[0]
+    max_len = k_cache.shape[3]
+    dtype = params["embed"].dtype
+    x = params["embed"][tokens]
+    cos, sin = rope_tables(positions, inv_freq, dtype)
+    mask = _visible(positions[:, None, None, None], jnp.arange(max_len)[None, None, None], cfg)
+    groups = cfg.num_heads // cfg.num_kv_heads
+    scale = cfg.head_dim**-0.5
+    slot_ids = jnp.arange(slots)
+
+    def layer(
+        carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[Params, jax.Array]
+    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
+        x, k_all, v_all = carry
+        lp, i = xs
+        q, k, v = _qkv(lp, x, cfg, cos, sin)
+        k_all = k_all.at[i, slot_ids, :, positions].set(k.astype(k_all.dtype))
+        v_all = v_all.at[i, slot_ids, :, positions].set(v.astype(v_all.dtype))
+        k_layer, v_layer = k_all[i], v_all[i]
+        qg = q.reshape(slots, cfg.num_kv_heads, groups, cfg.head_dim)
+        scores = jnp.einsum("skgd,sktd->skgt", qg, k_layer) * jnp.asarray(scale, dtype)
+        probs = _softmax_attend(scores.astype(F32), mask, dtype)
+        attn = jnp.einsum("skgt,sktd->skgd", probs, v_layer).reshape(slots, cfg.q_size)
+        return (_finish(lp, x, attn, cfg), k_all, v_all), None
+
+    layer_ids = jnp.arange(cfg.num_layers)
+    (x, k_cache, v_cache), _ = lax.scan(
+        layer, (x, k_cache, v_cache), (params["layers"], layer_ids)
+    )
+    return logits_of(params, x, cfg), k_cache, v_cache

@@ -1,0 +1,364 @@
+"""The orchestrator: continuous batching of ActiveRequests over an engine's slots.
+
+Runs on: the caller's threads (submit, abort, drain, stats) and starts one
+thread per stage (engine/stages/): prefill -> generate -> detokenize, with
+bounded queues between them. Owns: the registry of open requests, the
+admission queue and the lifecycle (running, draining, stopped, dead).
+
+Disaggregated mode (prefill and generate on different devices, a later
+issue) adds a transfer stage between prefill and generate: it becomes the
+prefill stage's PrefixSink, moves each Prefix's KV to the generate devices
+and forwards the PrefillDone to the generate inbox; `transfer_queue_depth`
+reports its backlog. With shared devices there is no transfer stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.request import ActiveRequest, Overloaded, RequestFailed, RequestStream, Unavailable
+from engine.stages.detokenize import (
+    DetokenizerFactory,
+    DetokenizeStage,
+    StopMatcherFactory,
+)
+from engine.stages.faults import Fault, FaultPlan
+from engine.stages.generate import GenerateStage
+from engine.stages.messages import CancelJob, DetokenizeMessage, GenerateMessage, Job
+from engine.stages.prefill import PrefillStage
+from engine.stages.queues import AdmissionQueue, Credits
+from engine.types import EngineProtocol, PromptTooLongError
+
+__all__ = [
+    "Orchestrator",
+    "OrchestratorConfig",
+    "OrchestratorStats",
+    "Overloaded",
+    "RequestFailed",
+    "Unavailable",
+]
+
+logger = logging.getLogger(__name__)
+
+_SEED_STRIDE = 1_000_003  # seeds of samples 1..n-1: request seed + index * stride (mod 2**31)
+_JOIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    max_queued_requests: int = 64  # admission bound; beyond it submit raises Overloaded
+    prefill_queue_size: int = 4  # prefilled samples waiting for a slot (device memory)
+    detokenize_queue_size: int = 8  # generate steps the detokenize stage may lag behind
+    fault_injection: str | None = None  # test hook: "prefill" | "generate" | "detokenize",
+    # optionally "stage:after=N" (raise on the (N+1)-th unit of work)
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "prefill_queue_size", "detokenize_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.fault_injection is not None:
+            FaultPlan.parse(self.fault_injection)
+
+
+@dataclass(frozen=True)
+class OrchestratorStats:
+    """A snapshot of gauges; each field is read without stopping the stages."""
+
+    queued_requests: int  # admitted, waiting for prefill
+    prefill_queue_depth: int  # prefilled samples waiting for a slot
+    transfer_queue_depth: int  # prefixes waiting for a transfer (0: no transfer stage)
+    detokenize_queue_depth: int  # messages the detokenize stage has not read yet
+    running_requests: int  # admitted and past the admission queue, not yet ended
+    slots_in_use: int
+    max_slots: int
+    alive: bool
+    draining: bool
+    generate_steps: int = 0
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        engine: EngineProtocol,
+        tokenizer: Any,
+        config: OrchestratorConfig | None = None,
+        *,
+        new_detokenizer: DetokenizerFactory | None = None,
+        new_stop_matcher: StopMatcherFactory | None = None,
+    ):
+        """`tokenizer` needs `eos_token_ids`; the factories default to tokenization's classes."""
+        self.config = config or OrchestratorConfig()
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a job leaves the registry
+        self._jobs: dict[str, Job] = {}
+        self._stop = threading.Event()
+        self._dead = threading.Event()
+        self._error: BaseException | None = None
+        self._started = False
+        self._draining = False
+        self._stopped = False
+        self._listeners: list[Callable[[BaseException], None]] = []
+        self._threads: list[threading.Thread] = []
+
+        plan = (
+            None
+            if self.config.fault_injection is None
+            else FaultPlan.parse(self.config.fault_injection)
+        )
+        self._admission = AdmissionQueue(self.config.max_queued_requests)
+        self._credits = Credits(self.config.prefill_queue_size)
+        self._generate_inbox: queue.Queue[GenerateMessage] = queue.Queue()
+        self._detokenize_inbox: queue.Queue[DetokenizeMessage] = queue.Queue(
+            self.config.detokenize_queue_size
+        )
+        self._prefill = PrefillStage(
+            engine,
+            self._admission,
+            self._generate_inbox,
+            self._credits,
+            self._stop,
+            reject=self._reject,
+            fault=Fault("prefill", plan),
+        )
+        self._generate = GenerateStage(
+            engine,
+            self._generate_inbox,
+            self._detokenize_inbox,
+            self._credits,
+            self._stop,
+            fault=Fault("generate", plan),
+        )
+        self._detokenize = DetokenizeStage(
+            self._detokenize_inbox,
+            self._generate_inbox,
+            self._stop,
+            fault=Fault("detokenize", plan),
+            eos_token_ids=frozenset(tokenizer.eos_token_ids) | frozenset(engine.eos_token_ids),
+            max_model_len=engine.max_model_len,
+            new_detokenizer=new_detokenizer or self._default_detokenizer,
+            new_stop_matcher=new_stop_matcher or _default_stop_matcher,
+            on_done=self._job_done,
+        )
+
+    # lifecycle
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                raise RuntimeError("the orchestrator was already started")
+            self._started = True
+        for name, stage in (
+            ("prefill", self._prefill),
+            ("generate", self._generate),
+            ("detokenize", self._detokenize),
+        ):
+            thread = threading.Thread(
+                target=self._run_stage, args=(name, stage.run), name=f"orchestrator-{name}"
+            )
+            thread.daemon = True
+            self._threads.append(thread)
+            thread.start()
+
+    def drain(self, timeout: float) -> bool:
+        """Stop admitting, let open requests finish for up to `timeout` s, then stop the stages.
+
+        Returns True if every open request finished in time; the others fail
+        with RequestFailed.
+        """
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            self._draining = True
+            while self._jobs and not self._dead.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._idle.wait(min(remaining, 0.1))
+            drained = not self._jobs and self._error is None
+        self.stop()
+        return drained
+
+    def stop(self) -> None:
+        """Stop the stages now; requests still open fail with RequestFailed."""
+        with self._lock:
+            self._stopped = True
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            self._idle.notify_all()
+        for job in jobs + self._admission.clear():
+            job.cancelled.set()
+            job.stream.close(error=RequestFailed("the server stopped before the request finished"))
+        self._stop.set()
+        current = threading.current_thread()
+        for thread in self._threads:
+            if thread is not current:
+                thread.join(_JOIN_S)
+
+    @property
+    def alive(self) -> bool:
+        """False once a stage has failed (health reads this)."""
+        return self._error is None
+
+    @property
+    def ready(self) -> bool:
+        """True while new requests are admitted."""
+        return self._started and self.alive and not self._draining and not self._stopped
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def add_failure_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """Call `listener(error)` once, from the failing thread, when a stage fails."""
+        with self._lock:
+            if self._error is None:
+                self._listeners.append(listener)
+                return
+            error = self._error
+        listener(error)
+
+    def wait_dead(self, timeout: float | None = None) -> bool:
+        """Block until a stage has failed; True if it did within `timeout`."""
+        return self._dead.wait(timeout)
+
+    # requests
+
+    def submit(self, request: ActiveRequest) -> RequestStream:
+        """Admit a request; its stream yields deltas in order until all n samples end."""
+        job = self._new_job(request)
+        with self._lock:
+            if not self._started or self._stopped or self._error is not None:
+                raise Unavailable(self._unavailable_reason())
+            if self._draining:
+                raise Unavailable("the server is shutting down")
+            if request.request_id in self._jobs:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._admission.put(job)
+            self._jobs[request.request_id] = job
+        return job.stream
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; no-op for an unknown or finished one. Thread-safe."""
+        with self._lock:
+            job = self._jobs.pop(request_id, None)
+            if job is None:
+                return
+            job.cancelled.set()
+            self._idle.notify_all()
+        if self._admission.remove(request_id) is None:
+            self._generate_inbox.put(CancelJob(job))
+        job.stream.close(aborted=True)
+
+    def stats(self) -> OrchestratorStats:
+        queued = len(self._admission)
+        return OrchestratorStats(
+            queued_requests=queued,
+            prefill_queue_depth=self._credits.in_use,
+            transfer_queue_depth=0,
+            detokenize_queue_depth=self._detokenize_inbox.qsize(),
+            running_requests=max(0, len(self._jobs) - queued),
+            slots_in_use=self._generate.slots_in_use,
+            max_slots=self._engine.max_slots,
+            alive=self.alive,
+            draining=self._draining,
+            generate_steps=self._generate.steps,
+        )
+
+    # internals
+
+    def _new_job(self, request: ActiveRequest) -> Job:
+        engine = self._engine
+        prompt_len = len(request.prompt_ids)
+        if prompt_len > engine.max_prompt_len:
+            raise PromptTooLongError(prompt_len, engine.max_prompt_len)
+        room = engine.max_model_len - prompt_len
+        if request.max_tokens is not None and request.max_tokens > room:
+            raise PromptTooLongError(
+                prompt_len,
+                engine.max_model_len - request.max_tokens,
+                f"room left for the prompt in the {engine.max_model_len}-token context "
+                f"after max_tokens={request.max_tokens}",
+            )
+        sampling = request.sampling
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+        samplings = tuple(
+            dataclasses.replace(sampling, seed=(seed + i * _SEED_STRIDE) % 2**31)
+            for i in range(request.n)
+        )
+        max_new = room if request.max_tokens is None else request.max_tokens
+        return Job(request, RequestStream(request.request_id, request.n), samplings, max_new)
+
+    def _job_done(self, job: Job) -> None:
+        """All samples of a job ended (detokenize thread): unregister, then end its stream."""
+        with self._lock:
+            if self._jobs.get(job.request_id) is job:
+                del self._jobs[job.request_id]
+                self._idle.notify_all()
+        job.stream.close()
+
+    def _reject(self, job: Job, error: Exception) -> None:
+        """One request cannot be served (prefill thread); the others go on."""
+        with self._lock:
+            if self._jobs.get(job.request_id) is job:
+                del self._jobs[job.request_id]
+                self._idle.notify_all()
+        job.stream.close(error=RequestFailed(str(error)))
+
+    def _run_stage(self, name: str, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except BaseException as exc:
+            logger.exception("orchestrator %s stage failed", name)
+            self._fail(exc, name)
+
+    def _fail(self, error: BaseException, stage: str) -> None:
+        """Fail every open request, mark the orchestrator dead and stop the other stages."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            listeners, self._listeners = self._listeners, []
+            self._idle.notify_all()
+        self._stop.set()
+        failure = RequestFailed(f"the {stage} stage failed: {error!r}")
+        for job in jobs:
+            job.cancelled.set()
+            job.stream.close(error=failure)
+        self._admission.clear()
+        self._dead.set()
+        for listener in listeners:
+            try:
+                listener(error)
+            except Exception:
+                logger.exception("orchestrator failure listener raised")
+
+    def _unavailable_reason(self) -> str:
+        if self._error is not None:
+            return f"the engine failed: {self._error!r}"
+        if not self._started:
+            return "the engine is not started"
+        return "the engine is stopped"
+
+    def _default_detokenizer(self, prompt_ids: tuple[int, ...], skip_special_tokens: bool) -> Any:
+        from tokenization import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(
+            self._tokenizer, list(prompt_ids), skip_special_tokens=skip_special_tokens
+        )
+
+
+def _default_stop_matcher(stop: tuple[str, ...], include_stop_str_in_output: bool) -> Any:
+    from tokenization import StopMatcher
+
+    return StopMatcher(list(stop), include_stop_str_in_output=include_stop_str_in_output)

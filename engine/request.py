@@ -1,0 +1,236 @@
+"""What a caller hands the orchestrator and what it gets back.
+
+`ActiveRequest` goes in through `Orchestrator.submit`; a `RequestStream` comes
+back and yields `Delta`s, in order, until all n samples have finished. Stage
+threads push into the stream; the consumer iterates it either from asyncio
+(`async for`, woken with `loop.call_soon_threadsafe`) or from a plain thread
+(`for`). A stream is closed exactly once: finished, aborted, or failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+from engine.types import EngineError, SamplingParams, TokenLogprobs
+
+
+class Overloaded(EngineError):
+    """The admission queue is full; retry later (HTTP 429 with Retry-After)."""
+
+    def __init__(self, queued: int, retry_after_s: float = 1.0):
+        self.queued = queued
+        self.retry_after_s = retry_after_s
+        super().__init__(f"server overloaded: {queued} requests already queued")
+
+
+class Unavailable(EngineError):
+    """The orchestrator is dead, draining or stopped (HTTP 503)."""
+
+
+class RequestFailed(EngineError):
+    """An open request failed because a stage died or the server shut down before it ended."""
+
+
+@dataclass(frozen=True)
+class ActiveRequest:
+    """One completion request as the engine sees it: token ids in, n samples out."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams  # seed None -> the orchestrator draws a fresh one
+    max_tokens: int | None = 16  # None: until the context (max_model_len) is full
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: bool = False  # echo + logprobs: prefill returns prompt logprobs
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not self.prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if any(t < 0 for t in self.prompt_ids):
+            raise ValueError("prompt token ids must be >= 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one sample: text after stop-string hold-back, and the tokens it covers."""
+
+    index: int  # which of the n samples
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None  # one per token in token_ids when asked
+    finish_reason: str | None  # "stop" | "length" | None (only on a sample's last delta)
+    stop_reason: str | int | None  # matched stop string or stop token id; None for EOS/length
+    prompt_tokens: int
+    completion_tokens: int  # cumulative for this sample
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # first delta only
+
+
+@dataclass
+class RequestTimings:
+    """Lifetime events of one request in time.monotonic() seconds; None until they happen.
+
+    Written by the stage that reaches the event (prefill, generate, detokenize),
+    read by anyone after the stream has ended.
+    """
+
+    queued: float
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    inserted: float | None = None  # first sample got a slot
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)  # every emitted token, all samples
+    finished: float | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.prefill_start is None else self.prefill_start - self.queued
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.queued
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished is None else self.finished - self.queued
+
+
+@dataclass(frozen=True)
+class _Closed:
+    """Terminal marker of a stream: why it ended."""
+
+    aborted: bool = False
+    error: RequestFailed | None = None
+
+
+class RequestStream:
+    """Ordered deltas of one request, pushed by stage threads, read by one consumer.
+
+    Thread-safe: `push` and `close` may be called from any thread; the first
+    close wins and later pushes are dropped, so a failing stage and the
+    detokenize stage can race without harm.
+    """
+
+    def __init__(self, request_id: str, n: int = 1):
+        self.request_id = request_id
+        self.n = n
+        self.timings = RequestTimings(queued=time.monotonic())
+        self._items: deque[Delta] = deque()
+        self._closed: _Closed | None = None
+        self._cond = threading.Condition()
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once no more deltas will be added (finished, aborted or failed)."""
+        return self._closed is not None
+
+    @property
+    def aborted(self) -> bool:
+        return self._closed is not None and self._closed.aborted
+
+    @property
+    def error(self) -> RequestFailed | None:
+        return None if self._closed is None else self._closed.error
+
+    def push(self, delta: Delta) -> bool:
+        """Append a delta; False when the stream is already closed."""
+        with self._cond:
+            if self._closed is not None:
+                return False
+            self._items.append(delta)
+            self._cond.notify_all()
+            waiter, self._waiter = self._waiter, None
+        _wake(waiter)
+        return True
+
+    def close(self, *, aborted: bool = False, error: RequestFailed | None = None) -> bool:
+        """End the stream; False when it was already closed."""
+        with self._cond:
+            if self._closed is not None:
+                return False
+            self._closed = _Closed(aborted=aborted, error=error)
+            self.timings.finished = time.monotonic()
+            self._cond.notify_all()
+            waiter, self._waiter = self._waiter, None
+        _wake(waiter)
+        return True
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            with self._cond:
+                while not self._items and self._closed is None:
+                    self._cond.wait()
+                if self._items:
+                    item = self._items.popleft()
+                else:
+                    self._raise_if_failed()
+                    return
+            yield item
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Delta]:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                if self._items:
+                    item: Delta | None = self._items.popleft()
+                elif self._closed is not None:
+                    self._raise_if_failed()
+                    return
+                else:
+                    item = None
+                    future: asyncio.Future[None] = loop.create_future()
+                    self._waiter = (loop, future)
+            if item is None:
+                await future
+            else:
+                yield item
+
+    def collect(self, timeout: float | None = None) -> list[Delta]:
+        """Block until the stream ends and return all its deltas (tests, sync callers)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._closed is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"request {self.request_id} did not end in {timeout} s")
+                self._cond.wait(remaining)
+        return list(self)
+
+    def _raise_if_failed(self) -> None:
+        closed = self._closed
+        if closed is not None and closed.error is not None:
+            raise closed.error
+
+
+def _wake(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None) -> None:
+    if waiter is None:
+        return
+    loop, future = waiter
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+        loop.call_soon_threadsafe(_resolve, future)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

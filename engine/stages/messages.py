@@ -1,0 +1,106 @@
+"""What crosses between the orchestrator's stages; one declared type per queue.
+
+admission queue:   Job
+generate inbox:    GenerateMessage = PrefillDone | ReleaseSlot | CancelJob
+detokenize queue:  DetokenizeMessage = SlotAssigned | StepTokens
+
+A request's first token (from prefill) rides in SlotAssigned and its later
+tokens in StepTokens, both on the one detokenize queue, so they reach the
+detokenizer in order. A slot is named by a lease: a number the generate stage
+gives each insertion, so a stale message about a slot's previous occupant
+can never touch the next one.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import ActiveRequest, RequestStream
+from engine.types import Prefix, SamplingParams, StepOutput, TokenLogprobs
+
+NO_LEASE = -1  # an idle slot in StepTokens.leases
+
+
+@dataclass(frozen=True, eq=False)
+class Job:
+    """One admitted request as every stage sees it; identity is the object itself.
+
+    `cancelled` is the only field that changes: set once by abort, drain or
+    failure, read by stages at their hand-off points to drop the job's work.
+    """
+
+    request: ActiveRequest
+    stream: RequestStream
+    samplings: tuple[SamplingParams, ...]  # one per sample, each with its own seed
+    max_new_tokens: int  # max_tokens capped by the room left in the context
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """Sample `index` of a job is prefilled and waits for a free slot."""
+
+    job: Job
+    index: int
+    prefix: Prefix
+
+
+@dataclass(frozen=True)
+class ReleaseSlot:
+    """The detokenize stage is done with a slot; free it if the lease still holds it."""
+
+    slot: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class CancelJob:
+    """Drop a job's pending prefixes and free its slots (abort, drain timeout).
+
+    Names the Job object, not its id: a new request may reuse the id at once.
+    """
+
+    job: Job
+
+
+GenerateMessage = PrefillDone | ReleaseSlot | CancelJob
+
+
+@dataclass(frozen=True)
+class SlotAssigned:
+    """Sample `index` of a job now holds `slot` under `lease`; carries its first token.
+
+    The token fields are the Prefix's device values, copied to the host by the
+    detokenize stage, not by the generate thread.
+    """
+
+    slot: int
+    lease: int
+    job: Job
+    index: int
+    token: Any
+    logprob: Any
+    top_ids: Any
+    top_logprobs: Any
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """One generate step; leases[slot] says whose token each slot holds (NO_LEASE: idle)."""
+
+    output: StepOutput
+    leases: tuple[int, ...]
+
+
+DetokenizeMessage = SlotAssigned | StepTokens

@@ -1,0 +1,123 @@
+"""Blocking primitives that give up when the orchestrator stops.
+
+Every wait a stage does goes through these, with a short timeout and a check
+of the shared stop event, so a failing or stopping orchestrator never leaves
+a thread blocked on a queue nobody will touch again.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from typing import TypeVar
+
+from engine.request import Overloaded
+from engine.stages.messages import Job
+
+T = TypeVar("T")
+
+POLL_S = 0.05  # how long a blocked stage waits before it looks at the stop event again
+
+
+def put(q: queue.Queue[T], item: T, stop: threading.Event) -> bool:
+    """Put into a bounded queue, waiting for room; False if the orchestrator stopped first."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def get(q: queue.Queue[T], stop: threading.Event) -> T | None:
+    """Take from a queue, waiting for an item; None if the orchestrator stopped first."""
+    while not stop.is_set():
+        try:
+            return q.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+    return None
+
+
+class Credits:
+    """A counting limit with a readable level: bounds prefixes held between prefill and insert.
+
+    Prefill takes a credit before handing a Prefix on; the generate stage gives
+    it back when the Prefix leaves its pending list. This bounds device memory
+    held by prefilled prompts that wait for a slot.
+    """
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"credit limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._in_use = 0
+        self._cond = threading.Condition()
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    def acquire(self, stop: threading.Event) -> bool:
+        with self._cond:
+            while self._in_use >= self.limit:
+                if stop.is_set():
+                    return False
+                self._cond.wait(POLL_S)
+            self._in_use += 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._in_use -= 1
+            self._cond.notify()
+
+
+class AdmissionQueue:
+    """The bounded backlog of admitted requests waiting for prefill, FIFO, removable by id.
+
+    `put` never blocks: a full backlog raises Overloaded at once, which the
+    server turns into 429. `remove` lets abort drop a queued request before
+    it costs a prefill.
+    """
+
+    def __init__(self, max_jobs: int):
+        if max_jobs < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {max_jobs}")
+        self.max_jobs = max_jobs
+        self._jobs: deque[Job] = deque()
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def put(self, job: Job) -> None:
+        with self._cond:
+            if len(self._jobs) >= self.max_jobs:
+                raise Overloaded(len(self._jobs))
+            self._jobs.append(job)
+            self._cond.notify()
+
+    def get(self, stop: threading.Event) -> Job | None:
+        with self._cond:
+            while not self._jobs:
+                if stop.is_set():
+                    return None
+                self._cond.wait(POLL_S)
+            return self._jobs.popleft()
+
+    def remove(self, request_id: str) -> Job | None:
+        with self._cond:
+            for job in self._jobs:
+                if job.request.request_id == request_id:
+                    self._jobs.remove(job)
+                    return job
+        return None
+
+    def clear(self) -> list[Job]:
+        with self._cond:
+            jobs = list(self._jobs)
+            self._jobs.clear()
+            return jobs

@@ -1,0 +1,134 @@
+"""The fixed-shape decode state and the pure functions that move it forward.
+
+Owns: `DecodeState` (KV cache plus per-slot length, next token, sampling
+parameters, key, counters and active flag) and `insert_prefix`, `free_slot`,
+`decode_step`. Shapes never change while serving, so each function compiles
+once (insert once per prefill bucket).
+
+Invariant: for a busy slot, cache positions < lengths[slot] hold the KV of
+every token so far, and tokens[slot] is the last sampled token, whose KV is
+written by the next step at position lengths[slot].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from engine.config import ModelConfig
+from engine.model import Params, decode_forward
+from engine.sampling import Sampled, SamplingArrays, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DecodeState:
+    k_cache: jax.Array  # (layers, slots, kv_heads, max_len, head_dim)
+    v_cache: jax.Array  # (layers, slots, kv_heads, max_len, head_dim)
+    lengths: jax.Array  # (slots,) int32: tokens whose KV is cached
+    tokens: jax.Array  # (slots,) int32: last sampled token, fed next
+    generated: jax.Array  # (slots,) int32: tokens sampled so far (prefill's included)
+    counts: jax.Array  # (slots, vocab) int32: how often each token was sampled
+    sampling: SamplingArrays  # each field with a leading slots axis
+    active: jax.Array  # (slots,) bool
+
+
+def empty_state(cfg: ModelConfig, slots: int, max_len: int, dtype: jnp.dtype) -> DecodeState:
+    cache_shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+    zeros_i = jnp.zeros((slots,), jnp.int32)
+    zeros_f = jnp.zeros((slots,), jnp.float32)
+    return DecodeState(
+        k_cache=jnp.zeros(cache_shape, dtype),
+        v_cache=jnp.zeros(cache_shape, dtype),
+        lengths=zeros_i,
+        tokens=zeros_i,
+        generated=zeros_i,
+        counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32),
+        sampling=SamplingArrays(
+            temperature=zeros_f,
+            top_k=zeros_i,
+            top_p=jnp.ones((slots,), jnp.float32),
+            presence_penalty=zeros_f,
+            frequency_penalty=zeros_f,
+            min_tokens=zeros_i,
+            key=jnp.zeros((slots, 2), jnp.uint32),
+        ),
+        active=jnp.zeros((slots,), bool),
+    )
+
+
+def insert_prefix(
+    state: DecodeState,
+    slot: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    length: jax.Array,
+    token: jax.Array,
+    sampling: SamplingArrays,
+) -> DecodeState:
+    """Put a prefilled prompt (k, v: (layers, kv_heads, bucket, head_dim)) into `slot`."""
+    start = (0, slot, 0, 0, 0)
+    k_cache = lax.dynamic_update_slice(state.k_cache, k[:, None].astype(state.k_cache.dtype), start)
+    v_cache = lax.dynamic_update_slice(state.v_cache, v[:, None].astype(state.v_cache.dtype), start)
+    vocab = state.counts.shape[1]
+    first_count = (jnp.arange(vocab) == token).astype(jnp.int32)
+    return DecodeState(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        lengths=state.lengths.at[slot].set(length),
+        tokens=state.tokens.at[slot].set(token),
+        generated=state.generated.at[slot].set(1),
+        counts=state.counts.at[slot].set(first_count),
+        sampling=jax.tree.map(lambda a, s: a.at[slot].set(s), state.sampling, sampling),
+        active=state.active.at[slot].set(True),
+    )
+
+
+def free_slot(state: DecodeState, slot: jax.Array) -> DecodeState:
+    return _replace(state, active=state.active.at[slot].set(False))
+
+
+def _replace(state: DecodeState, **changes: jax.Array) -> DecodeState:
+    fields = {name: getattr(state, name) for name in state.__dataclass_fields__}
+    return DecodeState(**(fields | changes))
+
+
+def decode_step(
+    params: Params,
+    state: DecodeState,
+    inv_freq: jax.Array,
+    eos_mask: jax.Array,
+    cfg: ModelConfig,
+) -> tuple[DecodeState, Sampled, jax.Array, jax.Array]:
+    """Feed every slot's last token, sample the next -> (state, sampled, active, logits).
+
+    Idle slots compute too (the batch shape is fixed) but their length, token
+    and counters stay put. A slot whose cache is full becomes idle.
+    """
+    max_len = state.k_cache.shape[3]
+    positions = jnp.minimum(state.lengths, max_len - 1)
+    logits, k_cache, v_cache = decode_forward(
+        params, state.tokens, positions, state.k_cache, state.v_cache, inv_freq, cfg
+    )
+    out = sample(logits, state.sampling, state.generated, state.counts, state.generated, eos_mask)
+    active = state.active
+    step = active.astype(jnp.int32)
+    vocab = state.counts.shape[1]
+    new_counts = state.counts + (
+        (jnp.arange(vocab)[None, :] == out.token[:, None]) & active[:, None]
+    ).astype(jnp.int32)
+    lengths = state.lengths + step
+    new_state = DecodeState(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        lengths=lengths,
+        tokens=jnp.where(active, out.token, state.tokens),
+        generated=state.generated + step,
+        counts=new_counts,
+        sampling=state.sampling,
+        active=active & (lengths < max_len),
+    )
+    return new_state, out, active, logits

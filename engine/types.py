@@ -1,0 +1,159 @@
+"""Data that crosses the seam between the slot engine and the orchestrator.
+
+The orchestrator speaks to the engine only through `EngineProtocol`:
+`prefill` -> `insert(prefix, state, slot)` -> `generate(state)`. Everything
+here is plain data; device arrays stay device arrays until the detokenize
+stage copies them to the host, so the generate loop never waits on a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+MAX_LOGPROBS = 20
+
+
+class EngineError(Exception):
+    """Base class for errors the engine raises on purpose."""
+
+
+class CheckpointError(EngineError, ValueError):
+    """A checkpoint folder is missing a file, holds a corrupt one, or is unsupported."""
+
+
+class PromptTooLongError(EngineError, ValueError):
+    """A prompt does not fit the largest prefill bucket or the context."""
+
+    def __init__(self, prompt_tokens: int, limit: int, what: str = "maximum prompt length"):
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens, more than the {what} of {limit} tokens"
+        )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, applied on device for each slot.
+
+    temperature 0 is greedy. top_k 0 (or <0) and top_p 1.0 disable those
+    filters. `seed` must be set by the time the engine sees it: the key of
+    the i-th generated token is fold_in(PRNGKey(seed), i), i = 0 for the token
+    prefill samples, so a seeded request is independent of its batch.
+    `logprobs` None returns none; N in 0..20 returns the chosen token's
+    logprob and the N most likely alternatives (of the raw, unscaled logits,
+    as vLLM does).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Host-side logprob data of one position: the chosen token and its alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class Prefix:
+    """A prefilled prompt, ready to be inserted into a slot.
+
+    `token`, `logprob`, `top_ids`, `top_logprobs` describe the first generated
+    token (device scalars / vectors of length MAX_LOGPROBS). `cache` and
+    `last_logits` are engine-private. `prompt_logprobs` is filled only when
+    prefill was asked for it (echo with logprobs): one entry per prompt
+    position, the first None.
+    """
+
+    length: int
+    sampling: SamplingParams
+    token: Any
+    logprob: Any
+    top_ids: Any
+    top_logprobs: Any
+    cache: Any
+    last_logits: Any
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class StepOutput:
+    """One generate step for every slot, as device arrays (copy them off the generate thread).
+
+    tokens, logprobs: (slots,); top_ids, top_logprobs: (slots, MAX_LOGPROBS);
+    active: (slots,) bool, whether the slot was busy in this step. A slot's
+    entries are meaningful only while the orchestrator considers it busy.
+    """
+
+    tokens: Any
+    logprobs: Any
+    top_ids: Any
+    top_logprobs: Any
+    active: Any
+
+
+class EngineProtocol(Protocol):
+    """What the orchestrator needs of an engine; a fake engine implements it too."""
+
+    max_slots: int
+    max_model_len: int
+    prefill_buckets: tuple[int, ...]
+    eos_token_ids: frozenset[int]
+
+    @property
+    def max_prompt_len(self) -> int:
+        """min(largest bucket, max_model_len - 1)."""
+        ...
+
+    def init_state(self) -> Any: ...
+
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        prompt_logprobs: bool = False,
+    ) -> Prefix:
+        """Pad to the next bucket, run the prompt, sample its first token (key index 0).
+
+        Raises PromptTooLongError when the prompt does not fit.
+        """
+        ...
+
+    def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
+        """The same prompt KV with the first token sampled anew (n > 1 samples, other seeds)."""
+        ...
+
+    def insert(self, prefix: Prefix, state: Any, slot: int) -> Any:
+        """Put a prefix into a slot; the state is donated."""
+        ...
+
+    def generate(self, state: Any) -> tuple[Any, StepOutput]:
+        """One decode step for all slots; the state is donated. Never blocks on the host."""
+        ...
+
+    def free(self, state: Any, slot: int) -> Any:
+        """Mark a slot idle so it stops advancing."""
+        ...

@@ -1,0 +1,152 @@
+"""The FastAPI application: routes, middleware, metrics, and the runtime's lifespan.
+
+`create_app(config)` builds a self-contained app (its own registry, its own
+runtime); nothing here is global, so tests can run several in one process.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+from prometheus_fastapi_instrumentator import Instrumentator
+
+from server import chat, completions
+from server.config import ServerConfig
+from server.errors import APIError, install_error_handlers
+from server.exchange import Exchange, log_of, until_disconnect
+from server.lifecycle import Backend, Runtime
+from server.metrics import EngineMetrics
+from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
+from server.params import plan_completion
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.streaming import sse_response
+
+
+def create_app(config: ServerConfig, loader: Callable[[], Backend] | None = None) -> FastAPI:
+    """An app serving `config`; `loader` builds the backend (default: `load_backend(config)`)."""
+    if loader is None:
+        from server.loading import load_backend
+
+        def loader() -> Backend:
+            return load_backend(config)
+
+    runtime = Runtime(loader)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        runtime.start()
+        yield
+        await runtime.shutdown()
+
+    app = FastAPI(title="jax-llm-server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.runtime = runtime
+    app.state.config = config
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, config.model_name, runtime.stats)
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    Instrumentator(registry=registry, excluded_handlers=["/metrics"]).instrument(app).expose(
+        app, endpoint="/metrics", include_in_schema=False
+    )
+    _add_routes(app, config, runtime, metrics)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(RequestLogMiddleware)  # outermost: sees every response
+    return app
+
+
+def _add_routes(
+    app: FastAPI, config: ServerConfig, runtime: Runtime, metrics: EngineMetrics
+) -> None:
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if runtime.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "failed"}, status_code=503)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if runtime.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": runtime.state.value}, status_code=503)
+
+    def model_card() -> dict[str, Any]:
+        limits = runtime.backend.limits if runtime.backend else None
+        return {
+            "id": config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "jax-llm-server",
+            "root": config.model_name,
+            "parent": None,
+            "max_model_len": limits.max_model_len if limits else config.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id != config.model_name:
+            raise APIError(
+                404,
+                f"The model `{model_id}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        backend = runtime.require_ready()
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        plan = plan_completion(
+            response_id, body, backend.tokenizer, config, backend.limits, penalties_supported=True
+        )
+        exchange = Exchange(runtime, backend, plan, metrics, log_of(request))
+        shaper = completions.CompletionShaper(plan, backend.tokenizer, config.model_name)
+        shaper.id = response_id
+        if plan.stream:
+            return sse_response(
+                completions.stream(exchange, shaper),
+                ping_interval=config.sse_ping_interval,
+                cleanup=exchange.close,
+            )
+        try:
+            result = await until_disconnect(request, completions.complete(exchange, shaper))
+        finally:
+            await exchange.close()
+        return JSONResponse(result)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        backend = runtime.require_ready()
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        plan = chat.plan_chat(
+            response_id, body, backend.tokenizer, config, backend.limits, penalties_supported=True
+        )
+        exchange = Exchange(runtime, backend, plan, metrics, log_of(request))
+        shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name)
+        shaper.id = response_id
+        if plan.stream:
+            return sse_response(
+                chat.stream(exchange, shaper),
+                ping_interval=config.sse_ping_interval,
+                cleanup=exchange.close,
+            )
+        try:
+            result = await until_disconnect(request, chat.complete(exchange, shaper))
+        finally:
+            await exchange.close()
+        return JSONResponse(result)

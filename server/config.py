@@ -1,0 +1,182 @@
+"""Server configuration: one frozen dataclass built from flags, then env, then defaults.
+
+This is the only module that reads `os.environ` (through the `environ` argument of
+`parse_config`, which `__main__` fills). Every flag `--some-flag` also comes from the
+environment variable `LLM_SERVER_SOME_FLAG`; a flag beats the variable, the variable
+beats the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+ENV_PREFIX = "LLM_SERVER_"
+LOG_FORMATS = ("json", "text")
+DTYPES = ("float32", "bfloat16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the HTTP server and the model it serves are configured with."""
+
+    model: Path | None = None
+    served_model_name: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_slots: int = 8
+    max_model_len: int | None = None  # None: the checkpoint's (capped by the engine)
+    prefill_buckets: tuple[int, ...] | None = None  # None: powers of two up to the context
+    dtype: str = "float32"
+    max_queued_requests: int = 64
+    api_key: str | None = None
+    log_level: str = "info"
+    log_format: str = "json"
+    chat_template: Path | None = None
+    drain_timeout: float = 30.0
+    sse_ping_interval: float = 15.0
+    max_request_bytes: int = 1_000_000
+    cache_dir: Path | None = None
+    fault_injection: str | None = None
+    # Request limits; each violation is a 400 that names the limit.
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_prompts: int = 64
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_slots", "max_queued_requests", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_n", "max_stop_strings", "max_stop_string_chars", "max_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        buckets = self.prefill_buckets
+        if buckets is not None and (
+            not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets))
+        ):
+            raise ValueError(f"prefill_buckets must be positive and increasing, got {buckets}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if self.sse_ping_interval < 0:
+            raise ValueError("sse_ping_interval must be >= 0 seconds (0 disables pings)")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty when given")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be blank")
+
+    @property
+    def model_name(self) -> str:
+        """The id clients use: --served-model-name, else the checkpoint folder's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.name if self.model is not None else "demo-model"
+
+    @property
+    def demo_model_dir(self) -> Path:
+        """Where the embedded demo checkpoint lives when --model is not given."""
+        return self.resolved_cache_dir / "demo-model"
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir is not None:
+            return self.cache_dir
+        return Path.home() / ".cache" / "jax-llm-server"
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise ValueError(f"prefill-buckets must be a comma list of integers, got {text!r}") from exc
+
+
+def _optional_path(text: str) -> Path | None:
+    return Path(text).expanduser() if text else None
+
+
+# flag name -> (parser from text, help)
+_FLAGS: dict[str, tuple[object, str]] = {
+    "model": (_optional_path, "local Hugging Face checkpoint folder (default: embedded demo)"),
+    "served_model_name": (str, "model id in the API (default: the folder's name)"),
+    "host": (str, "bind address"),
+    "port": (int, "bind port"),
+    "max_slots": (int, "concurrent sequences in the decode batch"),
+    "max_model_len": (int, "context length: prompt + completion tokens"),
+    "prefill_buckets": (_buckets, "comma list of prefill padding lengths"),
+    "dtype": (str, "float32 or bfloat16"),
+    "max_queued_requests": (int, "requests waiting for prefill before 429"),
+    "api_key": (str, "require 'Authorization: Bearer <key>' on /v1 routes"),
+    "log_level": (str, "debug, info, warning, error"),
+    "log_format": (str, "json (one object a line) or text"),
+    "chat_template": (_optional_path, "Jinja chat template file overriding the checkpoint's"),
+    "drain_timeout": (float, "seconds in-flight requests get after SIGTERM"),
+    "sse_ping_interval": (float, "seconds between ': ping' keep-alive comments (0: none)"),
+    "max_request_bytes": (int, "largest accepted request body"),
+    "cache_dir": (_optional_path, "where the demo model is built when --model is not given"),
+    "fault_injection": (str, "test-only: inject a stage fault, e.g. generate:after=3"),
+    "max_n": (int, "largest n per request"),
+    "max_stop_strings": (int, "most stop strings per request"),
+    "max_stop_string_chars": (int, "longest stop string"),
+    "max_prompts": (int, "most prompts in one /v1/completions request"),
+}
+
+
+def _default_cache_dir(environ: Mapping[str, str]) -> Path:
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "jax-llm-server"
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Build the config from command-line flags and `LLM_SERVER_*` environment variables.
+
+    Raises ValueError with a message naming the bad flag or variable.
+    """
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(
+        prog="llm-server", description="OpenAI-compatible server for a JAX LLM engine"
+    )
+    for name, (_, help_text) in _FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, default=None, help=f"{help_text} [env {_env(name)}]")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+
+    values: dict[str, object] = {}
+    for name, (convert, _) in _FLAGS.items():
+        raw = getattr(args, name)
+        source = "--" + name.replace("_", "-")
+        if raw is None:
+            raw = environ.get(_env(name))
+            source = _env(name)
+        if raw is None:
+            continue
+        try:
+            values[name] = convert(raw)  # type: ignore[operator]
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from exc
+    if "cache_dir" not in values or values["cache_dir"] is None:
+        values["cache_dir"] = _default_cache_dir(environ)
+    if "api_key" in values and values["api_key"] == "":
+        values["api_key"] = None
+    known = {f.name for f in fields(ServerConfig)}
+    return ServerConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def _env(name: str) -> str:
+    return ENV_PREFIX + name.upper()

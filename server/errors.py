@@ -1,0 +1,116 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, never a 422.
+
+Handlers raise `APIError`; the exception handlers installed by `install_error_handlers`
+turn it, FastAPI's validation errors and anything unexpected into that shape. Bodies
+never carry a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error a client should see, with its HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPES.get(status, "invalid_request_error")
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _loc_to_param(loc: Sequence[Any]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field; JSON syntax errors say so."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request("request body is not valid JSON", code="invalid_json")
+    param = _loc_to_param(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value"))
+    if isinstance(first.get("ctx"), dict) and "error" in first["ctx"]:
+        message = str(first["ctx"]["error"])
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    text = f"{param}: {message}" if param else message
+    return bad_request(text, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception a route can raise to an OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = "route not found"
+        headers = dict(exc.headers or {})
+        return APIError(exc.status_code, message, headers=headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return APIError(500, "internal server error", code="internal_error").response()

@@ -1,0 +1,208 @@
+"""The serving state machine: loading -> ready -> draining -> stopped, or failed.
+
+Runs on: the event loop (every method except the loader thread and the
+orchestrator's failure listener, which hop onto the loop). Owns: the loaded
+backend, readiness, liveness, the count of in-flight generation requests and
+the drain. It never ends the process itself: it sets `exit_requested` and the
+entrypoint decides (exit code 0 after a drain, 1 after a fault).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.request import RequestStream
+from server.errors import APIError
+from server.params import ModelLimits, TokenizerLike
+
+logger = logging.getLogger(__name__)
+
+
+class OrchestratorControl(Protocol):
+    """What the runtime and the handlers need of the orchestrator."""
+
+    def submit(self, request: Any) -> RequestStream: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def drain(self, timeout: float) -> bool: ...
+
+    def stop(self) -> None: ...
+
+    def stats(self) -> Any: ...
+
+    def add_failure_listener(self, listener: Callable[..., None]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A loaded, warmed-up model behind a started orchestrator."""
+
+    tokenizer: TokenizerLike
+    orchestrator: OrchestratorControl
+    limits: ModelLimits
+    chat_template: Callable[[list[dict[str, str]]], list[int]] | None = None
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class Runtime:
+    """Holds the backend and answers the probes; one per app."""
+
+    def __init__(self, loader: Callable[[], Backend]):
+        self._loader = loader
+        self.state = State.LOADING
+        self.backend: Backend | None = None
+        self.error: BaseException | None = None
+        self.exit_code: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflight = 0
+        # asyncio.Event binds to a loop only when first awaited, so these can be made here.
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.drain_expired = asyncio.Event()  # open requests end with an error when set
+        self.exit_requested = asyncio.Event()  # the entrypoint stops the server when set
+
+    # --- start-up -------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin loading on a daemon thread; the probes answer meanwhile."""
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._load, name="model-loader", daemon=True).start()
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        try:
+            backend = self._loader()
+        except BaseException as exc:  # noqa: BLE001 - reported through the probes
+            logger.exception("loading the model failed")
+            self._call_soon(self._fail, exc)
+            return
+        logger.info("model ready", extra={"load_s": round(time.monotonic() - started, 3)})
+        self._call_soon(self._loaded, backend)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone already
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _loaded(self, backend: Backend) -> None:
+        self.backend = backend
+        backend.orchestrator.add_failure_listener(self._failure_from_thread)
+        if self.state is State.LOADING:
+            self.state = State.READY
+        elif self.state is not State.FAILED:  # drained or stopped while loading
+            self._stop_backend_soon()
+
+    # --- failure ----------------------------------------------------------------------
+    def _failure_from_thread(self, *args: Any) -> None:
+        error = next((a for a in args if isinstance(a, BaseException)), None)
+        self._call_soon(self._fail, error or RuntimeError("an engine stage died"))
+
+    def _fail(self, error: BaseException) -> None:
+        if self.state is State.FAILED:
+            return
+        self.error = error
+        self.state = State.FAILED
+        logger.error("engine failed; the server stops", extra={"error": repr(error)})
+        self.request_exit(1)
+
+    def request_exit(self, code: int) -> None:
+        if self.exit_code is None:
+            self.exit_code = code
+        self.exit_requested.set()
+
+    # --- probes -----------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """Liveness: the process and every stage are alive (loading counts as alive)."""
+        if self.state is State.FAILED:
+            return False
+        orchestrator = self.backend.orchestrator if self.backend else None
+        return orchestrator is None or bool(getattr(orchestrator, "alive", True))
+
+    @property
+    def ready(self) -> bool:
+        return self.state is State.READY and self.alive
+
+    def stats(self) -> Any | None:
+        if self.backend is None:
+            return None
+        return self.backend.orchestrator.stats()
+
+    def require_ready(self) -> Backend:
+        """The backend, or a 503 that says why requests are refused."""
+        if self.state is State.READY and self.backend is not None and self.alive:
+            return self.backend
+        reason = {
+            State.LOADING: "the model is still loading",
+            State.DRAINING: "the server is shutting down",
+            State.STOPPED: "the server is shutting down",
+        }.get(self.state, "the engine failed")
+        if self.state is State.READY:
+            reason = "the engine failed"
+        return_error = APIError(503, f"server unavailable: {reason}", code="unavailable")
+        raise return_error
+
+    # --- in-flight requests and drain -------------------------------------------------
+    def acquire(self) -> None:
+        self._inflight += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        self._inflight = max(0, self._inflight - 1)
+        if self._inflight == 0:
+            self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests, let in-flight ones finish for up to `timeout` seconds.
+
+        Returns True when all finished. At the timeout the orchestrator fails
+        what is still open (streams end with an error event and [DONE]); the
+        handlers get a moment to send that before the server closes.
+        """
+        if self.state in (State.READY, State.LOADING):
+            self.state = State.DRAINING
+        logger.info("draining", extra={"inflight": self._inflight, "timeout_s": timeout})
+        drained = True
+        if self.backend is not None and self.state is not State.FAILED:
+            drained = await asyncio.to_thread(self.backend.orchestrator.drain, timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), 2.0 if drained else 1.0)
+        except asyncio.TimeoutError:
+            drained = False
+            self.drain_expired.set()
+            try:
+                await asyncio.wait_for(self._idle.wait(), 2.0)
+            except asyncio.TimeoutError:
+                logger.warning("requests still open after the drain timeout")
+        logger.info("drain finished", extra={"drained": drained})
+        return drained
+
+    async def shutdown(self) -> None:
+        """Stop the orchestrator's threads (after a drain or a fault)."""
+        if self.state is not State.FAILED:
+            self.state = State.STOPPED
+        if self.backend is not None:
+            await asyncio.to_thread(self.backend.orchestrator.stop)
+
+    def _stop_backend_soon(self) -> None:
+        assert self.backend is not None
+        threading.Thread(target=self.backend.orchestrator.stop, daemon=True).start()

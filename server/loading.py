@@ -1,0 +1,78 @@
+"""Build the backend a config asks for: checkpoint (or the demo), engine, warm-up, orchestrator.
+
+Runs on: the runtime's loader thread, once. Slow (loads weights and compiles
+every shape); the HTTP server answers the probes meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from server.config import ServerConfig
+from server.lifecycle import Backend
+from server.params import ModelLimits
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_demo_model(folder: Path) -> Path:
+    """The embedded demo checkpoint, built deterministically on first use."""
+    from engine.tiny import write_tiny_checkpoint
+
+    if (folder / "config.json").is_file():
+        return folder
+    logger.info("building the demo model", extra={"path": str(folder)})
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(folder.name + ".partial")
+    write_tiny_checkpoint(tmp, arch="llama", seed=0)
+    tmp.replace(folder)  # atomic: a crash mid-build never leaves a half model behind
+    return folder
+
+
+def model_path(config: ServerConfig) -> Path:
+    if config.model is not None:
+        return config.model
+    return ensure_demo_model(config.demo_model_dir)
+
+
+def load_backend(config: ServerConfig) -> Backend:
+    """Load, warm up and start; raises on any failure (the runtime reports it)."""
+    from engine.engine import Engine, EngineConfig
+    from engine.orchestrator import Orchestrator, OrchestratorConfig
+    from tokenization import Tokenizer
+
+    path = model_path(config)
+    template = config.chat_template.read_text(encoding="utf-8") if config.chat_template else None
+    tokenizer = Tokenizer.from_folder(path, chat_template=template)
+    engine = Engine(
+        EngineConfig(
+            model_path=path,
+            dtype=config.dtype,
+            max_slots=config.max_slots,
+            max_model_len=config.max_model_len,
+            prefill_buckets=_fit_buckets(config.prefill_buckets, config.max_model_len),
+        )
+    )
+    engine.warmup()
+    orchestrator = Orchestrator(
+        engine,
+        tokenizer,
+        OrchestratorConfig(
+            max_queued_requests=config.max_queued_requests,
+            fault_injection=config.fault_injection,
+        ),
+    )
+    orchestrator.start()
+    limits = ModelLimits(max_model_len=engine.max_model_len, max_prompt_len=engine.max_prompt_len)
+    return Backend(tokenizer=tokenizer, orchestrator=orchestrator, limits=limits)
+
+
+def _fit_buckets(
+    buckets: tuple[int, ...] | None, max_model_len: int | None
+) -> tuple[int, ...] | None:
+    """Buckets beyond the context are useless: drop them rather than refuse to start."""
+    if buckets is None or max_model_len is None:
+        return buckets
+    kept = tuple(b for b in buckets if b <= max_model_len)
+    return kept or (max_model_len - 1,)

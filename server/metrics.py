@@ -1,0 +1,136 @@
+"""Prometheus metrics: the only module that speaks Prometheus.
+
+Each app gets its own CollectorRegistry (tests run several apps in one
+process). Request metrics are observed from the orchestrator's plain-data
+`RequestTimings` when a request ends; gauges are read from
+`Orchestrator.stats()` at scrape time, so nothing polls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.request import RequestTimings
+
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5,
+)  # fmt: skip
+
+
+class _StatsCollector(Collector):
+    """Gauges of the orchestrator's state, read at scrape time."""
+
+    def __init__(self, model_name: str, read_stats: Callable[[], Any | None]):
+        self._model_name = model_name
+        self._read_stats = read_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._read_stats()
+        labels = ["model_name"]
+        running = GaugeMetricFamily(
+            "llm_requests_running", "Requests holding a slot", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "llm_requests_waiting", "Requests queued before prefill", labels=labels
+        )
+        ratio = GaugeMetricFamily(
+            "llm_slots_in_use_ratio", "Busy decode slots / all slots", labels=labels
+        )
+        depth = GaugeMetricFamily(
+            "llm_queue_depth", "Items waiting in each stage's queue", labels=["model_name", "stage"]
+        )
+        if stats is not None:
+            name = [self._model_name]
+            running.add_metric(name, stats.running_requests)
+            waiting.add_metric(name, stats.queued_requests)
+            ratio.add_metric(name, stats.slots_in_use / max(1, stats.max_slots))
+            for stage in ("prefill", "transfer", "detokenize"):
+                value = getattr(stats, f"{stage}_queue_depth")
+                depth.add_metric([self._model_name, stage], value)
+        yield from (running, waiting, ratio, depth)
+
+
+class EngineMetrics:
+    """Request-level metrics with units in their names and a model_name label."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        read_stats: Callable[[], Any | None],
+    ):
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
+
+        self.ttft = histogram(
+            "llm_time_to_first_token_seconds", "Queued to first token", LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "llm_inter_token_latency_seconds", "Time between a request's tokens", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "llm_e2e_request_latency_seconds", "Queued to finished", LATENCY_BUCKETS
+        )
+        self.queue = histogram(
+            "llm_request_queue_time_seconds", "Queued to prefill start", LATENCY_BUCKETS
+        )
+        self.prefill = histogram(
+            "llm_request_prefill_time_seconds", "Prefill start to end", LATENCY_BUCKETS
+        )
+        self.prompt_tokens = Counter(
+            "llm_prompt_tokens", "Prompt tokens processed", labels, registry=registry
+        )
+        self.generation_tokens = Counter(
+            "llm_generation_tokens", "Tokens generated", labels, registry=registry
+        )
+        self.finished = Counter(
+            "llm_requests_finished",
+            "Samples finished, by finish_reason",
+            ["model_name", "finish_reason"],
+            registry=registry,
+        )
+        self.failed = Counter(
+            "llm_requests_failed",
+            "Requests failed, by error type",
+            ["model_name", "error_type"],
+            registry=registry,
+        )
+        registry.register(_StatsCollector(model_name, read_stats))
+
+    def observe_timings(self, timings: RequestTimings) -> None:
+        """One finished orchestrator request (one prompt, all its samples)."""
+        name = self.model_name
+        if timings.queue_s is not None:
+            self.queue.labels(name).observe(timings.queue_s)
+        if timings.prefill_start is not None and timings.prefill_end is not None:
+            self.prefill.labels(name).observe(timings.prefill_end - timings.prefill_start)
+        if timings.ttft_s is not None:
+            self.ttft.labels(name).observe(timings.ttft_s)
+        times = timings.token_times
+        for earlier, later in zip(times, times[1:], strict=False):
+            self.itl.labels(name).observe(max(0.0, later - earlier))
+        if timings.e2e_s is not None:
+            self.e2e.labels(name).observe(timings.e2e_s)
+
+    def observe_sample(self, finish_reason: str, completion_tokens: int) -> None:
+        self.finished.labels(self.model_name, finish_reason).inc()
+        self.generation_tokens.labels(self.model_name).inc(completion_tokens)
+
+    def observe_prompt(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+
+    def observe_failure(self, error_type: str) -> None:
+        self.failed.labels(self.model_name, error_type).inc()

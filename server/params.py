@@ -1,0 +1,282 @@
+"""Validated OpenAI requests -> the orchestrator's `ActiveRequest`s.
+
+Owns every check that needs the model or the server's limits: prompt and
+context length, n, stop strings, logprobs, token ids. Each failure is a 400
+`APIError` whose `param` names the field, raised before anything is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.request import ActiveRequest
+from engine.types import SamplingParams
+from server.config import ServerConfig
+from server.errors import APIError, bad_request
+from server.protocol import CompletionRequest, SamplingFields
+
+SEED_RANGE = 2**63
+
+
+class TokenizerLike(Protocol):
+    """The tokenizer methods the server uses (tokenization.Tokenizer implements it)."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def validate_ids(self, ids: Sequence[int]) -> None: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the loaded engine can take; filled from the engine after loading."""
+
+    max_model_len: int
+    max_prompt_len: int
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt as token ids, and as text when echo needs it."""
+
+    ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """Everything a handler needs to run a request and shape its response."""
+
+    requests: tuple[ActiveRequest, ...]  # one per prompt, each with n samples
+    prompts: tuple[PromptInput, ...]
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    logprobs: int | None = None  # completions: top-N; chat: top_logprobs when logprobs=true
+    discard_output: bool = False  # max_tokens=0: return only the (echoed) prompt
+
+
+def resolve_prompts(
+    request: CompletionRequest, tokenizer: TokenizerLike, config: ServerConfig
+) -> tuple[PromptInput, ...]:
+    """A completions `prompt` (string, strings, ids or lists of ids) as token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    if len(items) > config.max_prompts:
+        raise bad_request(
+            f"at most {config.max_prompts} prompts per request (max_prompts), got {len(items)}",
+            param="prompt",
+        )
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = _encode(tokenizer, item)
+            out.append(PromptInput(tuple(ids), item))
+        else:
+            check_token_ids(tokenizer, item, "prompt")
+            out.append(PromptInput(tuple(item), tokenizer.decode(item)))
+    return tuple(out)
+
+
+def _encode(tokenizer: TokenizerLike, text: str) -> list[int]:
+    try:
+        ids = tokenizer.encode(text)
+    except ValueError as exc:
+        raise bad_request(f"prompt could not be tokenized: {exc}", param="prompt") from exc
+    if not ids:
+        raise bad_request("prompt must contain at least one token", param="prompt")
+    return ids
+
+
+def check_token_ids(tokenizer: TokenizerLike, ids: Sequence[int], param: str) -> None:
+    if not ids:
+        raise bad_request(f"{param} must contain at least one token", param=param)
+    try:
+        tokenizer.validate_ids(ids)
+    except ValueError as exc:
+        raise bad_request(f"{param}: {exc}", param=param) from exc
+
+
+def check_common(request: SamplingFields, config: ServerConfig, model_name: str) -> None:
+    """Checks shared by both endpoints: model, unsupported fields, n, stream_options."""
+    if request.model is not None and request.model != model_name:
+        raise APIError(
+            404,
+            f"The model `{request.model}` does not exist.",
+            param="model",
+            code="model_not_found",
+        )
+    unsupported = request.unsupported()
+    if unsupported is not None:
+        raise bad_request(unsupported[1], param=unsupported[0], code="unsupported")
+    if request.n > config.max_n:
+        raise bad_request(f"n must be <= {config.max_n} (max_n), got {request.n}", param="n")
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if request.seed is not None and not -SEED_RANGE <= request.seed < SEED_RANGE:
+        raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
+
+
+def stop_strings(request: SamplingFields, config: ServerConfig) -> tuple[str, ...]:
+    stop = request.stop
+    items = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(items) > config.max_stop_strings:
+        raise bad_request(
+            f"at most {config.max_stop_strings} stop strings (max_stop_strings), got {len(items)}",
+            param="stop",
+        )
+    for item in items:
+        if not item:
+            raise bad_request("stop strings must not be empty", param="stop")
+        if len(item) > config.max_stop_string_chars:
+            raise bad_request(
+                f"stop strings must be at most {config.max_stop_string_chars} characters "
+                f"(max_stop_string_chars), got {len(item)}",
+                param="stop",
+            )
+    return items
+
+
+def sampling_params(
+    request: SamplingFields, logprobs: int | None, *, penalties_supported: bool
+) -> SamplingParams:
+    if not penalties_supported:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(request, name) not in (None, 0.0):
+                raise bad_request(f"{name} is not supported by this engine yet", param=name)
+    top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
+    try:
+        return SamplingParams(
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_k=top_k,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed,
+            logprobs=logprobs,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            min_tokens=request.min_tokens,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+
+
+def check_length(prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str) -> None:
+    """400 when the prompt does not fit, or prompt + max_tokens exceeds the context."""
+    if prompt_len > limits.max_prompt_len:
+        raise bad_request(
+            f"This model's maximum prompt length is {limits.max_prompt_len} tokens. "
+            f"However, your prompt has {prompt_len} tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > limits.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {limits.max_model_len} tokens. "
+            f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+            f"prompt, {max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def build_requests(
+    base_id: str,
+    prompts: Sequence[PromptInput],
+    request: SamplingFields,
+    *,
+    max_tokens: int | None,
+    sampling: SamplingParams,
+    stop: tuple[str, ...],
+    prompt_logprobs: bool,
+    limits: ModelLimits,
+    tokenizer: TokenizerLike,
+    prompt_param: str,
+) -> tuple[ActiveRequest, ...]:
+    """One ActiveRequest per prompt; max_tokens 0 runs one token that is then discarded."""
+    stop_token_ids = tuple(request.stop_token_ids or ())
+    if stop_token_ids:
+        check_token_ids(tokenizer, stop_token_ids, "stop_token_ids")
+    out = []
+    for i, prompt in enumerate(prompts):
+        check_length(len(prompt.ids), max_tokens, limits, prompt_param)
+        try:
+            out.append(
+                ActiveRequest(
+                    request_id=f"{base_id}-{i}",
+                    prompt_ids=prompt.ids,
+                    sampling=sampling,
+                    max_tokens=None if max_tokens is None else max(1, max_tokens),
+                    n=request.n,
+                    stop=stop,
+                    stop_token_ids=stop_token_ids,
+                    ignore_eos=request.ignore_eos,
+                    include_stop_str_in_output=request.include_stop_str_in_output,
+                    prompt_logprobs=prompt_logprobs,
+                    skip_special_tokens=request.skip_special_tokens,
+                )
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+    return tuple(out)
+
+
+def plan_completion(
+    base_id: str,
+    request: CompletionRequest,
+    tokenizer: TokenizerLike,
+    config: ServerConfig,
+    limits: ModelLimits,
+    *,
+    penalties_supported: bool,
+) -> GenerationPlan:
+    check_common(request, config, config.model_name)
+    if request.suffix:
+        raise bad_request("suffix is not supported", param="suffix", code="unsupported")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request(
+            f"best_of must equal n (best_of > n is not supported), got best_of="
+            f"{request.best_of}, n={request.n}",
+            param="best_of",
+        )
+    if request.max_tokens == 0 and request.stream:
+        raise bad_request("max_tokens must be >= 1 when streaming", param="max_tokens")
+    prompts = resolve_prompts(request, tokenizer, config)
+    sampling = sampling_params(request, request.logprobs, penalties_supported=penalties_supported)
+    stop = stop_strings(request, config)
+    requests = build_requests(
+        base_id,
+        prompts,
+        request,
+        max_tokens=request.max_tokens,
+        sampling=sampling,
+        stop=stop,
+        prompt_logprobs=request.echo and request.logprobs is not None,
+        limits=limits,
+        tokenizer=tokenizer,
+        prompt_param="prompt",
+    )
+    return GenerationPlan(
+        requests=requests,
+        prompts=prompts,
+        n=request.n,
+        stream=request.stream,
+        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        echo=request.echo,
+        logprobs=request.logprobs,
+        discard_output=request.max_tokens == 0,
+    )

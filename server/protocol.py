@@ -1,0 +1,138 @@
+"""Pydantic models of the OpenAI requests we accept.
+
+Unknown fields are ignored, as OpenAI does; vLLM's extras (`top_k`, `ignore_eos`,
+`stop_token_ids`, `min_tokens`, ...) are accepted. Fields we know but do not
+support are declared so that setting them is a clear 400 (see `unsupported`),
+never silently ignored. Limits that depend on the server's config are checked
+later, in `server.params`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+
+from engine.types import MAX_LOGPROBS
+
+PromptInput = StrictStr | list[StrictStr] | list[int] | list[list[int]]
+StopInput = StrictStr | list[StrictStr] | None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StopInput = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: StrictStr | None = None
+    # vLLM extras
+    top_k: int | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    # known but unsupported: rejected when they would change the output
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first set field we cannot honour, else None."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.repetition_penalty not in (None, 1.0):
+            return "repetition_penalty", "repetition_penalty is not supported"
+        if self.min_p not in (None, 0.0):
+            return "min_p", "min_p is not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "response_format other than text is not supported"
+        for name in ("guided_json", "guided_regex", "guided_choice"):
+            if getattr(self, name) is not None:
+                return name, f"{name} (guided decoding) is not supported"
+        return None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: StrictStr | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be an empty list")
+        return value
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        """The message content as text; only text parts are supported."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content part type {part.get('type')!r} is not supported")
+            texts.append(TextPart.model_validate(part).text)
+        return "".join(texts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    add_generation_prompt: StrictBool = True
+
+    def chat_unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tools (function calling) are not supported"
+        if self.functions:
+            return "functions", "functions (function calling) are not supported"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice is not supported"
+        return self.unsupported()

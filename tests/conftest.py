@@ -1,0 +1,31 @@
+"""Shared test set-up: JAX on the CPU with a persistent compile cache, and tiny checkpoints.
+
+Checkpoints are written at run time into a temp folder by engine.tiny, so a fresh
+clone needs nothing but the package and its test extra.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache" / "jax-llm-server-tests")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint with a trained byte-level BPE tokenizer and chat template."""
+    from engine.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)

@@ -1,0 +1,144 @@
+"""On-device sampling: greedy, top-k, top-p, the softmax distribution, penalties, logprobs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.sampling import SamplingArrays, sample, seed_key
+from engine.types import MAX_LOGPROBS
+
+VOCAB = 32
+ROWS = 4000
+
+
+def batch(rows: int, **values: float) -> SamplingArrays:
+    full = lambda v, dt: jnp.full((rows,), v, dt)
+    return SamplingArrays(
+        temperature=full(values.get("temperature", 1.0), jnp.float32),
+        top_k=full(values.get("top_k", 0), jnp.int32),
+        top_p=full(values.get("top_p", 1.0), jnp.float32),
+        presence_penalty=full(values.get("presence_penalty", 0.0), jnp.float32),
+        frequency_penalty=full(values.get("frequency_penalty", 0.0), jnp.float32),
+        min_tokens=full(values.get("min_tokens", 0), jnp.int32),
+        key=jnp.tile(jnp.asarray(seed_key(int(values.get("seed", 7)))), (rows, 1)),
+    )
+
+
+@jax.jit
+def run(logits, params, index, counts, generated, eos_mask):
+    return sample(logits, params, index, counts, generated, eos_mask)
+
+
+def draw(logits: np.ndarray, rows: int = ROWS, counts=None, generated=None, eos=(), **values):
+    """`rows` draws from one logit vector, the i-th with key index i."""
+    tiled = jnp.tile(jnp.asarray(logits, jnp.float32), (rows, 1))
+    counts = jnp.zeros((rows, len(logits)), jnp.int32) if counts is None else counts
+    generated = jnp.zeros((rows,), jnp.int32) if generated is None else generated
+    eos_mask = np.zeros((len(logits),), bool)
+    eos_mask[list(eos)] = True
+    index = jnp.arange(rows, dtype=jnp.int32)
+    return jax.device_get(run(tiled, batch(rows, **values), index, counts, generated, eos_mask))
+
+
+@pytest.fixture(scope="module")
+def logits() -> np.ndarray:
+    return np.random.default_rng(0).normal(size=VOCAB).astype(np.float32) * 2
+
+
+def test_temperature_zero_is_argmax():
+    rng = np.random.default_rng(1)
+    rows = rng.normal(size=(16, VOCAB)).astype(np.float32)
+    out = jax.device_get(
+        run(
+            jnp.asarray(rows),
+            batch(16, temperature=0.0),
+            jnp.arange(16, dtype=jnp.int32),
+            jnp.zeros((16, VOCAB), jnp.int32),
+            jnp.zeros((16,), jnp.int32),
+            jnp.zeros((VOCAB,), bool),
+        )
+    )
+    np.testing.assert_array_equal(out.token, rows.argmax(axis=-1))
+
+
+def test_top_k_never_leaves_the_k_best(logits):
+    best = set(np.argsort(-logits)[:5].tolist())
+    tokens = set(draw(logits, top_k=5, temperature=1.5).token.tolist())
+    assert tokens <= best
+    assert len(tokens) == 5  # and it does sample among all of them
+
+
+def test_top_p_never_leaves_the_nucleus(logits):
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    before = np.cumsum(probs[order]) - probs[order]
+    nucleus = set(order[before < 0.6].tolist())
+    tokens = set(draw(logits, top_p=0.6).token.tolist())
+    assert tokens <= nucleus
+    assert len(tokens) == len(nucleus) > 1
+
+
+def test_top_k_and_top_p_combine(logits):
+    order = np.argsort(-logits)
+    top3 = logits[order[:3]]
+    probs = np.exp(top3 - top3.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    allowed = set(order[:3][before < 0.7].tolist())
+    tokens = set(draw(logits, top_k=3, top_p=0.7).token.tolist())
+    assert tokens <= allowed
+
+
+def test_temperature_one_matches_softmax():
+    """Chi-square goodness of fit of 20000 fixed-seed draws against softmax(logits)."""
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.25], np.float32)
+    rows = 20000
+    tokens = draw(logits, rows=rows, seed=123).token
+    expected = np.exp(logits) / np.exp(logits).sum() * rows
+    observed = np.bincount(tokens, minlength=len(logits))
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 24.3, (chi2, observed, expected)  # df = 7, p = 0.001
+
+
+def test_seeded_draw_depends_only_on_seed_and_index(logits):
+    a = draw(logits, rows=64, seed=99).token
+    b = draw(logits, rows=64, seed=99).token
+    c = draw(logits, rows=64, seed=100).token
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+
+
+def test_presence_and_frequency_penalties_steer_greedy(logits):
+    best = int(np.argmax(logits))
+    counts = jnp.zeros((1, VOCAB), jnp.int32).at[0, best].set(2)
+    plain = draw(logits, rows=1, counts=counts, temperature=0.0)
+    presence = draw(logits, rows=1, counts=counts, temperature=0.0, presence_penalty=100.0)
+    frequency = draw(logits, rows=1, counts=counts, temperature=0.0, frequency_penalty=50.0)
+    assert plain.token[0] == best
+    assert presence.token[0] != best and frequency.token[0] != best
+    # logprobs stay those of the raw logits
+    np.testing.assert_allclose(presence.top_logprobs, plain.top_logprobs)
+
+
+def test_min_tokens_holds_back_eos(logits):
+    eos = int(np.argmax(logits))
+    held = draw(logits, rows=1, eos=(eos,), temperature=0.0, min_tokens=3,
+                generated=jnp.array([2], jnp.int32))
+    free = draw(logits, rows=1, eos=(eos,), temperature=0.0, min_tokens=3,
+                generated=jnp.array([3], jnp.int32))
+    assert held.token[0] != eos
+    assert free.token[0] == eos
+
+
+def test_logprobs_are_of_raw_logits_sorted_and_max_wide(logits):
+    out = draw(logits, rows=8, temperature=0.3, top_k=4)
+    raw = logits - logits.max()
+    raw = raw - np.log(np.exp(raw).sum())
+    assert out.top_ids.shape == (8, MAX_LOGPROBS)
+    np.testing.assert_array_equal(out.top_ids[0], np.argsort(-raw)[:MAX_LOGPROBS])
+    np.testing.assert_allclose(out.top_logprobs[0], np.sort(raw)[::-1][:MAX_LOGPROBS], atol=1e-5)
+    np.testing.assert_allclose(out.logprob, raw[out.token], atol=1e-5)

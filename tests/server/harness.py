@@ -1,0 +1,143 @@
+"""Real servers for the HTTP tests: uvicorn in-process on a thread, or `python -m server`.
+
+Both listen on 127.0.0.1 on a free port; nothing is mocked between the
+client socket and the JAX engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from server.app import create_app
+from server.config import ServerConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    config: ServerConfig
+    app: object
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+
+def wait_ready(base_url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited early with code {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base_url + "/ready", timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"server at {base_url} not ready after {timeout} s")
+
+
+@contextlib.contextmanager
+def serve_in_thread(config: ServerConfig, ready_timeout: float = 180) -> Iterator[LiveServer]:
+    """uvicorn on a background thread (no signal handlers there), stopped on exit."""
+    port = free_port()
+    config = _with_port(config, port)
+    app = create_app(config)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, ready_timeout)
+        yield LiveServer(base, config, app)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def _with_port(config: ServerConfig, port: int) -> ServerConfig:
+    from dataclasses import replace
+
+    return replace(config, host="127.0.0.1", port=port)
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_records(self) -> list[dict]:
+        out = []
+        for line in self.log().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+
+@contextlib.contextmanager
+def serve_process(
+    args: list[str], tmp_path: Path, env: dict[str, str] | None = None, ready_timeout: float = 180
+) -> Iterator[ServerProcess]:
+    """`python -m server` as a child process; killed on exit if still running."""
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *args],
+            cwd=str(REPO_ROOT),
+            env=full_env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    handle = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        wait_ready(handle.base_url, ready_timeout, proc)
+        yield handle
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def sse_events(raw: str) -> list[str]:
+    """The data payloads of an SSE body, checking the framing on the way."""
+    assert "\r" not in raw, "SSE lines must end with \\n only"
+    events = []
+    for block in raw.split("\n\n"):
+        if not block:
+            continue
+        lines = block.split("\n")
+        data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+        comments = [line for line in lines if line.startswith(":")]
+        assert len(data) + len(comments) == len(lines), f"unexpected SSE lines: {lines!r}"
+        if data:
+            assert len(data) == 1, f"one data line per event expected: {block!r}"
+            events.append(data[0])
+    assert raw.endswith("\n\n"), "the stream must end with a blank line"
+    return events

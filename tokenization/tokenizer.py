@@ -1,0 +1,194 @@
+"""The tokenizer of one checkpoint: text <-> ids, EOS ids, chat template, token bytes.
+
+Owns: the fast Hugging Face tokenizer loaded from a local checkpoint folder (never a
+hub) and everything derived from it once at load. Shared read-only by the server's
+request threads and the orchestrator's stages: encode and decode go straight to the
+Rust tokenizer, whose settings are never changed after load, so threads never race
+on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenization import chat
+from tokenization.byte_decoding import DecoderStyle, byte_token_value, detect_style, token_to_bytes
+from tokenization.errors import ChatTemplateError, InvalidTokenError, TokenizationError
+
+__all__ = [
+    "ChatTemplateError",
+    "InvalidTokenError",
+    "TokenizationError",
+    "Tokenizer",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _generation_eos_ids(folder: Path) -> set[int]:
+    """eos_token_id of generation_config.json (int or list), empty when absent."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return set()
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError) as exc:
+        raise TokenizationError(f"cannot read {path.name}: {exc}") from exc
+    if value is None:
+        return set()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TokenizationError(f"{path.name}: eos_token_id must be an int or a list of ints")
+    return set(values)
+
+
+class Tokenizer:
+    """A checkpoint's fast tokenizer with the few operations serving needs."""
+
+    def __init__(
+        self,
+        hf: Any,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        chat_template: str | None = None,
+    ) -> None:
+        if not getattr(hf, "is_fast", False):
+            raise TokenizationError("only fast (tokenizer.json) tokenizers are supported")
+        self.hf = hf
+        self._backend = hf.backend_tokenizer
+        self._chat_template = chat_template
+        self.vocab_size: int = max(len(hf), self._backend.get_vocab_size(with_added_tokens=True))
+        eos = set(eos_token_ids)
+        if hf.eos_token_id is not None:
+            eos.add(int(hf.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.style: DecoderStyle = detect_style(self._backend.to_str())
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special
+        )
+        self._bytes_cache: dict[int, bytes] = {}
+
+    @classmethod
+    def from_folder(cls, path: str | Path, *, chat_template: str | None = None) -> Tokenizer:
+        """Load from a local checkpoint folder; `chat_template` (the text) overrides its own."""
+        from transformers import AutoTokenizer
+
+        folder = Path(path)
+        if not folder.is_dir():
+            raise TokenizationError(f"checkpoint folder {str(folder)!r} does not exist")
+        try:
+            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, use_fast=True)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise TokenizationError(
+                f"cannot load a fast tokenizer from {str(folder)!r}: {exc}"
+            ) from exc
+        eos = frozenset(_generation_eos_ids(folder))
+        return cls(hf, eos_token_ids=eos, chat_template=chat_template)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat requests can be served: a template was given or the checkpoint has one."""
+        return bool(self._chat_template or getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; add_special_tokens adds BOS (and the like) as the model expects."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def validate_ids(self, ids: Sequence[int]) -> list[int]:
+        """A token-id prompt as plain ints; InvalidTokenError names the first bad id."""
+        out: list[int] = []
+        for position, token_id in enumerate(ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+                raise InvalidTokenError(
+                    f"token id at position {position} is {token_id!r}, not an integer"
+                )
+            value = int(token_id)
+            if not 0 <= value < self.vocab_size:
+                raise InvalidTokenError(
+                    f"token id {value} at position {position} is outside the vocabulary "
+                    f"(valid ids are 0..{self.vocab_size - 1}, vocabulary size {self.vocab_size})"
+                )
+            out.append(value)
+        return out
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids` without clean-up of spaces, so it equals the streamed deltas joined."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes this token contributes to decoded text (chat logprobs' `bytes`)."""
+        cached = self._bytes_cache.get(token_id)
+        if cached is None:
+            token = self._backend.id_to_token(token_id)
+            if token is None:
+                raise InvalidTokenError(
+                    f"token id {token_id} is outside the vocabulary of size {self.vocab_size}"
+                )
+            cached = token_to_bytes(token, self.style)
+            self._bytes_cache[token_id] = cached
+        return cached
+
+    def token_text(self, token_id: int) -> str:
+        """One token as logprobs show it: its decoded text, or "bytes:\\xe2" for a partial byte."""
+        text = self._backend.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text
+        raw = self.token_bytes(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
+
+    @cached_property
+    def byte_token_ids(self) -> frozenset[int]:
+        """Ids of ByteFallback `<0xXX>` tokens (empty for other styles)."""
+        if self.style is not DecoderStyle.BYTE_FALLBACK:
+            return frozenset()
+        return frozenset(
+            i
+            for tok, i in self._backend.get_vocab(with_added_tokens=True).items()
+            if byte_token_value(tok) is not None
+        )
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The chat prompt as text (what apply_chat_template tokenizes)."""
+        return chat.render(
+            self.hf,
+            messages,
+            template=self._chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Prompt ids of chat messages; the template itself writes BOS, so none is added."""
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+        return self.encode(text, add_special_tokens=False)
