@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -97,7 +98,7 @@ def _full_occupancy_rate(streams: list[RequestStream]) -> float:
     return tokens / (end - start)
 
 
-def bench_model(model: str, slots: int, steps: int) -> dict[str, Any]:
+def bench_model(model: str, slots: int, steps: int, rounds: int) -> dict[str, Any]:
     from engine.engine import Engine, EngineConfig
     from tokenization import Tokenizer
 
@@ -111,8 +112,12 @@ def bench_model(model: str, slots: int, steps: int) -> dict[str, Any]:
         )
         engine.warmup()
         tokenizer = Tokenizer.from_folder(path)
-    engine_rate = engine_tok_s(engine, steps)
-    orch_rate = orchestrator_tok_s(engine, tokenizer, max_tokens=steps)
+    # alternate the two, so load from other processes hits both alike; report medians
+    engine_rates, orch_rates = [], []
+    for _ in range(rounds):
+        engine_rates.append(engine_tok_s(engine, steps))
+        orch_rates.append(orchestrator_tok_s(engine, tokenizer, max_tokens=steps))
+    engine_rate, orch_rate = statistics.median(engine_rates), statistics.median(orch_rates)
     return {
         "model": model,
         "slots": slots,
@@ -120,6 +125,8 @@ def bench_model(model: str, slots: int, steps: int) -> dict[str, Any]:
         "engine_tok_s": round(engine_rate, 1),
         "orchestrator_tok_s": round(orch_rate, 1),
         "ratio": round(orch_rate / engine_rate, 3),
+        "engine_tok_s_rounds": [round(r, 1) for r in engine_rates],
+        "orchestrator_tok_s_rounds": [round(r, 1) for r in orch_rates],
     }
 
 
@@ -170,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=("tiny", "100m", "fake", "all"), default="all")
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--steps", type=int, default=96, help="decode steps per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="engine/orchestrator alternations")
     parser.add_argument("--fake-requests", type=int, default=2000)
     args = parser.parse_args(argv)
     models = ("tiny", "100m", "fake") if args.model == "all" else (args.model,)
@@ -177,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         if model == "fake":
             result = bench_fake(args.slots, args.fake_requests, max_tokens=32)
         else:
-            result = bench_model(model, args.slots, args.steps)
+            result = bench_model(model, args.slots, args.steps, args.rounds)
         print(json.dumps(result), flush=True)
 
 

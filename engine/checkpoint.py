@@ -1,9 +1,10 @@
 """Weights read from *.safetensors (one file or sharded with an index) into a param pytree.
 
-Owns: the mapping from Hugging Face tensor names to the engine's layout. Layers
-are stacked on a leading axis so the model can scan over them; q/k/v and
-gate/up are fused so each layer does fewer, larger matmuls. Weights stay in
-the checkpoint's (out, in) layout: the model contracts their last axes.
+Owns: the mapping from Hugging Face tensor names to the engine's layout. Each
+layer keeps its own arrays (a list, not a stacked axis: slicing a stacked
+weight inside the step copies it); q/k/v and gate/up are fused so each layer
+does fewer, larger matmuls. Weights stay in the checkpoint's (out, in)
+layout: the model contracts their last axes.
 """
 
 from __future__ import annotations
@@ -129,10 +130,9 @@ def load_params(folder: str | Path, config: ModelConfig, dtype: str = "float32")
             out["bo"] = get(p + "self_attn.o_proj.bias", (h,))
         return out
 
-    layers = [layer(i) for i in range(c.num_layers)]
     params: Params = {
         "embed": get("model.embed_tokens.weight", (c.vocab_size, h)),
-        "layers": {k: np.stack([lp[k] for lp in layers]) for k in layers[0]},
+        "layers": [layer(i) for i in range(c.num_layers)],
         "final_norm": get("model.norm.weight", (h,)),
     }
     if not c.tie_word_embeddings:

@@ -22,10 +22,9 @@ from engine.checkpoint import load_params
 from engine.config import load_model_config
 from engine.mesh import default_mesh, replicated
 from engine.model import prefill_forward
-from engine.sampling import SamplingArrays, host_arrays, sample
+from engine.sampling import SamplingArrays, host_arrays, sample, top_logprobs
 from engine.state import DecodeState, decode_step, empty_state, free_slot, insert_prefix
 from engine.types import (
-    MAX_LOGPROBS,
     Prefix,
     PromptTooLongError,
     SamplingParams,
@@ -128,9 +127,7 @@ class Engine:
         )
         self._insert = jax.jit(insert_prefix, donate_argnums=(0,))
         self._free = jax.jit(free_slot, donate_argnums=(0,))
-        self._generate = jax.jit(
-            functools.partial(decode_step, cfg=cfg), donate_argnums=(1,)
-        )
+        self._generate = jax.jit(functools.partial(decode_step, cfg=cfg), donate_argnums=(1,))
         logger.info(
             "engine ready: %s, %d slots, max_model_len %d, buckets %s, %s",
             cfg.architecture,
@@ -147,9 +144,7 @@ class Engine:
     # -- pure functions behind the jits ------------------------------------------------------
 
     @staticmethod
-    def _sample_first(
-        last_logits: jax.Array, sampling: SamplingArrays, eos_mask: jax.Array
-    ) -> Any:
+    def _sample_first(last_logits: jax.Array, sampling: SamplingArrays, eos_mask: jax.Array) -> Any:
         """Sample the first generated token (key index 0, nothing generated yet)."""
         batched = jax.tree.map(lambda a: a[None], sampling)
         zero = jnp.zeros((1,), jnp.int32)
@@ -171,12 +166,17 @@ class Engine:
     ) -> dict[str, Any]:
         logits, k, v = prefill_forward(params, tokens, length, inv_freq, cfg, all_logits)
         last = logits[length - 1] if all_logits else logits[0]
-        out = {"k": k, "v": v, "last_logits": last, "first": self._sample_first(last, sampling, eos_mask)}
+        out = {
+            "k": k,
+            "v": v,
+            "last_logits": last,
+            "first": self._sample_first(last, sampling, eos_mask),
+        }
         if all_logits:
             logprobs = jax.nn.log_softmax(logits, axis=-1)
             nxt = jnp.roll(tokens, -1)
             out["prompt_chosen"] = jnp.take_along_axis(logprobs, nxt[:, None], axis=-1)[:, 0]
-            out["prompt_top"] = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+            out["prompt_top"] = top_logprobs(logprobs)
         return out
 
     # -- EngineProtocol ----------------------------------------------------------------------
@@ -246,7 +246,12 @@ class Engine:
         self._check_slot(slot)
         k, v = prefix.cache
         return self._insert(
-            state, np.int32(slot), k, v, np.int32(prefix.length), prefix.token,
+            state,
+            np.int32(slot),
+            k,
+            v,
+            np.int32(prefix.length),
+            prefix.token,
             host_arrays(prefix.sampling),
         )
 
@@ -299,8 +304,6 @@ def _prompt_logprobs(
     top_lp, top_ids = (np.asarray(a) for a in top)
     result: list[TokenLogprobs | None] = [None]
     for i in range(1, len(token_ids)):
-        alternatives = tuple(
-            (int(top_ids[i - 1, j]), float(top_lp[i - 1, j])) for j in range(n)
-        )
+        alternatives = tuple((int(top_ids[i - 1, j]), float(top_lp[i - 1, j])) for j in range(n))
         result.append(TokenLogprobs(int(token_ids[i]), float(chosen_np[i - 1]), alternatives))
     return result

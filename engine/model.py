@@ -5,11 +5,14 @@ token per slot (decode). Covers Llama (default / linear / llama3 RoPE),
 Mistral (sliding window) and Qwen2 (q/k/v bias): grouped-query attention,
 RMSNorm, SwiGLU, tied or untied embeddings.
 
-Layout: weights (out, in), contracted on their last axes; layers stacked on a
-leading axis and scanned; the KV cache is (layers, slots, kv_heads, length,
-head_dim) so each kv head's keys are one contiguous (length, head_dim) block.
-The decode step updates the cache in place (scan carry + scatter), never
-rebuilding it per layer.
+Layout: weights (out, in), contracted on their last axes, one set of arrays
+per layer (the layer loop is unrolled, so no weight is ever sliced or
+copied); the KV cache is one array per layer for keys, (slots, kv_heads,
+head_dim, length), and one for values, (slots, kv_heads, length, head_dim):
+per kv head a contiguous block with the sequence axis next to head_dim, laid
+out so both attention products are plain matmuls (q @ K^T reads K^T rows
+directly; measured ~2x faster than keys as (length, head_dim) on CPU). The
+decode step scatters its new K/V into the layer's buffers in place.
 """
 
 from __future__ import annotations
@@ -112,8 +115,9 @@ def prefill_forward(
     """One prompt padded to T tokens -> (logits, k, v).
 
     logits is (T, vocab) when all_logits else (1, vocab) at position length-1;
-    k, v are (layers, kv_heads, T, head_dim). Padding positions only see the
-    real tokens before them, so the real positions' values are exact.
+    k is a tuple of one (kv_heads, head_dim, T) array per layer, v one of
+    (kv_heads, T, head_dim) arrays, the decode cache's layouts. Padding
+    positions only see the real tokens before them, so real positions are exact.
     """
     t = tokens.shape[0]
     dtype = params["embed"].dtype
@@ -124,36 +128,37 @@ def prefill_forward(
     groups = cfg.num_heads // cfg.num_kv_heads
     scale = cfg.head_dim**-0.5
 
-    def layer(x: jax.Array, lp: Params) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    keys, values = [], []
+    for lp in params["layers"]:
         q, k, v = _qkv(lp, x, cfg, cos, sin)
         qg = q.reshape(t, cfg.num_kv_heads, groups, cfg.head_dim)
         scores = jnp.einsum("tkgd,skd->kgts", qg, k) * jnp.asarray(scale, dtype)
         probs = _softmax_attend(scores.astype(F32), mask, dtype)
         attn = jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.q_size)
-        return _finish(lp, x, attn, cfg), (k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-
-    x, (k, v) = lax.scan(layer, x, params["layers"])
+        x = _finish(lp, x, attn, cfg)
+        keys.append(k.transpose(1, 2, 0))
+        values.append(v.transpose(1, 0, 2))
     if not all_logits:
         x = lax.dynamic_slice_in_dim(x, length - 1, 1, axis=0)
-    return logits_of(params, x, cfg), k, v
+    return logits_of(params, x, cfg), tuple(keys), tuple(values)
 
 
 def decode_forward(
     params: Params,
     tokens: jax.Array,
     positions: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    k_cache: tuple[jax.Array, ...],
+    v_cache: tuple[jax.Array, ...],
     inv_freq: jax.Array,
     cfg: ModelConfig,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """One token per slot at its position -> (logits (slots, vocab), k_cache, v_cache).
 
-    Each slot's new K/V is written at [layer, slot, :, position]; attention reads
-    positions <= position. Callers keep positions < cache length.
+    Each slot's new K/V is written at its position in its layer's buffers;
+    attention reads positions <= position. Callers keep positions < cache length.
     """
     slots = tokens.shape[0]
-    max_len = k_cache.shape[3]
+    max_len = v_cache[0].shape[2]
     dtype = params["embed"].dtype
     x = params["embed"][tokens]
     cos, sin = rope_tables(positions, inv_freq, dtype)
@@ -162,23 +167,16 @@ def decode_forward(
     scale = cfg.head_dim**-0.5
     slot_ids = jnp.arange(slots)
 
-    def layer(
-        carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[Params, jax.Array]
-    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
-        x, k_all, v_all = carry
-        lp, i = xs
+    new_k, new_v = [], []
+    for lp, k_layer, v_layer in zip(params["layers"], k_cache, v_cache, strict=True):
         q, k, v = _qkv(lp, x, cfg, cos, sin)
-        k_all = k_all.at[i, slot_ids, :, positions].set(k.astype(k_all.dtype))
-        v_all = v_all.at[i, slot_ids, :, positions].set(v.astype(v_all.dtype))
-        k_layer, v_layer = k_all[i], v_all[i]
+        k_layer = k_layer.at[slot_ids, :, :, positions].set(k.astype(k_layer.dtype))
+        v_layer = v_layer.at[slot_ids, :, positions].set(v.astype(v_layer.dtype))
         qg = q.reshape(slots, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("skgd,sktd->skgt", qg, k_layer) * jnp.asarray(scale, dtype)
+        scores = jnp.einsum("skgd,skdt->skgt", qg, k_layer) * jnp.asarray(scale, dtype)
         probs = _softmax_attend(scores.astype(F32), mask, dtype)
         attn = jnp.einsum("skgt,sktd->skgd", probs, v_layer).reshape(slots, cfg.q_size)
-        return (_finish(lp, x, attn, cfg), k_all, v_all), None
-
-    layer_ids = jnp.arange(cfg.num_layers)
-    (x, k_cache, v_cache), _ = lax.scan(
-        layer, (x, k_cache, v_cache), (params["layers"], layer_ids)
-    )
-    return logits_of(params, x, cfg), k_cache, v_cache
+        x = _finish(lp, x, attn, cfg)
+        new_k.append(k_layer)
+        new_v.append(v_layer)
+    return logits_of(params, x, cfg), tuple(new_k), tuple(new_v)

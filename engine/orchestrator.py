@@ -144,7 +144,6 @@ class Orchestrator:
             self._stop,
             fault=Fault("detokenize", plan),
             eos_token_ids=frozenset(tokenizer.eos_token_ids) | frozenset(engine.eos_token_ids),
-            max_model_len=engine.max_model_len,
             new_detokenizer=new_detokenizer or self._default_detokenizer,
             new_stop_matcher=new_stop_matcher or _default_stop_matcher,
             on_done=self._job_done,
@@ -168,6 +167,11 @@ class Orchestrator:
             thread.daemon = True
             self._threads.append(thread)
             thread.start()
+        logger.info(
+            "orchestrator started: %d slots, admission bound %d",
+            self._engine.max_slots,
+            self.config.max_queued_requests,
+        )
 
     def drain(self, timeout: float) -> bool:
         """Stop admitting, let open requests finish for up to `timeout` s, then stop the stages.
@@ -184,6 +188,9 @@ class Orchestrator:
                     break
                 self._idle.wait(min(remaining, 0.1))
             drained = not self._jobs and self._error is None
+            left = len(self._jobs)
+        if not drained:
+            logger.warning("drain ended with %d requests still open; failing them", left)
         self.stop()
         return drained
 
@@ -212,6 +219,11 @@ class Orchestrator:
     def ready(self) -> bool:
         """True while new requests are admitted."""
         return self._started and self.alive and not self._draining and not self._stopped
+
+    @property
+    def engine(self) -> EngineProtocol:
+        """The engine served (its max_model_len, max_slots and buckets bound requests)."""
+        return self._engine
 
     @property
     def error(self) -> BaseException | None:
@@ -254,7 +266,7 @@ class Orchestrator:
                 return
             job.cancelled.set()
             self._idle.notify_all()
-        if self._admission.remove(request_id) is None:
+        if not self._admission.remove(job):
             self._generate_inbox.put(CancelJob(job))
         job.stream.close(aborted=True)
 

@@ -8,7 +8,7 @@ token order, so a seeded row samples the same token whatever shares its batch.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ def seed_key(seed: int) -> np.ndarray:
 
 
 def host_arrays(sampling: SamplingParams) -> SamplingArrays:
-    """Scalar (unbatched) host arrays of one request's sampling; dtypes fixed so jit never retraces."""
+    """One request's sampling as host scalars; dtypes fixed so jit never retraces."""
     if sampling.seed is None:
         raise ValueError("sampling.seed must be set before the engine sees the request")
     return SamplingArrays(
@@ -58,7 +58,7 @@ def host_arrays(sampling: SamplingParams) -> SamplingArrays:
     )
 
 
-def _top_logprobs(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+def top_logprobs(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The MAX_LOGPROBS best (logprob, id) per row, padded with -inf if the vocab is smaller."""
     k = min(MAX_LOGPROBS, logprobs.shape[-1])
     values, ids = lax.top_k(logprobs, k)
@@ -66,19 +66,78 @@ def _top_logprobs(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids, pad)
 
 
+def _sortable(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (so thresholds can be bisected exactly)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    flipped = bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
+    return lax.bitcast_convert_type(flipped, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _bisect(keys: jax.Array, enough: Any) -> jax.Array:
+    """Per row, the largest key t with enough(keys >= t) true (it is at least the row's minimum).
+
+    32 halvings of the uint32 range make it exact: no sort of the vocabulary, which
+    costs ~100x more on CPU.
+    """
+    lo = jnp.min(keys, axis=-1)
+    hi = jnp.max(keys, axis=-1)
+
+    def halve(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        mid = lo + (hi - lo + 1) // 2
+        ok = enough(keys >= mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, 32, halve, (lo, hi))
+    return lo
+
+
 def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Tokens inside each row's top-k and top-p nucleus (the top token always is)."""
+    """Tokens inside each row's top-k and then top-p nucleus (the top token always is).
+
+    top-k keeps values >= the k-th largest; top-p keeps, of those, the tokens whose
+    more probable predecessors hold less than top_p of the mass.
+    """
     vocab = scaled.shape[-1]
-    ordered = -jnp.sort(-scaled, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
-    in_k = rank < k
-    probs = jax.nn.softmax(jnp.where(in_k, ordered, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_k & (before < top_p[:, None])
-    kept = jnp.sum(keep, axis=-1, keepdims=True)
-    threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
-    return scaled >= threshold
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    keys = _sortable(scaled)
+    kth = _bisect(keys, lambda above: jnp.sum(above, axis=-1) >= k)
+    keep = keys >= kth[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    prob_keys = _sortable(probs)
+    tau = _bisect(prob_keys, lambda above: jnp.sum(jnp.where(above, probs, 0), -1) >= top_p)
+    nucleus = (prob_keys >= tau[:, None]) | (top_p >= 1.0)[:, None]
+    return keep & nucleus
+
+
+def _inverse_cdf(probs: jax.Array, uniform: jax.Array, block: int = 256) -> jax.Array:
+    """Per row, the token where the CDF first exceeds uniform * total mass.
+
+    Two levels (block sums, then one block) instead of a cumsum over the whole
+    vocabulary; the result is clamped to tokens of non-zero probability.
+    """
+    rows, vocab = probs.shape
+    probs = jnp.pad(probs, ((0, 0), (0, -vocab % block)))
+    blocks = probs.reshape(rows, -1, block)
+    block_cdf = jnp.cumsum(jnp.sum(blocks, axis=-1), axis=-1)
+    target = uniform * block_cdf[:, -1]
+    last_block = _last_true(
+        block_cdf > jnp.concatenate([jnp.zeros((rows, 1)), block_cdf[:, :-1]], -1)
+    )
+    b = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), last_block)
+    start = jnp.where(
+        b > 0, jnp.take_along_axis(block_cdf, jnp.maximum(b - 1, 0)[:, None], -1)[:, 0], 0
+    )
+    inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]
+    inner_cdf = start[:, None] + jnp.cumsum(inner, axis=-1)
+    i = jnp.minimum(jnp.sum(inner_cdf <= target[:, None], axis=-1), _last_true(inner > 0))
+    return (b * block + i).astype(jnp.int32)
+
+
+def _last_true(mask: jax.Array) -> jax.Array:
+    """Index of the last true entry per row (0 when none)."""
+    n = mask.shape[-1]
+    return (n - 1 - jnp.argmax(mask[:, ::-1], axis=-1)).astype(jnp.int32)
 
 
 def sample(
@@ -97,7 +156,7 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_logprobs, top_ids = _top_logprobs(logprobs)
+    top_lps, top_ids = top_logprobs(logprobs)
     counts_f = counts.astype(jnp.float32)
     adjusted = (
         logits
@@ -108,6 +167,24 @@ def sample(
     adjusted = jnp.where(hold_eos, -jnp.inf, adjusted)
     greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
 
+    sampling = params.temperature > 0
+    drawn = lax.cond(
+        jnp.any(sampling),
+        lambda: _draw(adjusted, params, index),
+        lambda: jnp.zeros(greedy.shape, jnp.int32),
+    )
+    token = jnp.where(sampling, drawn, greedy)
+    logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    return Sampled(token, logprob, top_ids.astype(jnp.int32), top_lps)
+
+
+def _draw(adjusted: jax.Array, params: SamplingArrays, index: jax.Array) -> jax.Array:
+    """Temperature, top-k, top-p, then one uniform per row through the inverse CDF.
+
+    A row's draw depends only on its logits, parameters and (key, index): the
+    filters run whenever any row asks for them, but a row without filters keeps
+    every token either way.
+    """
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = adjusted / temperature[:, None]
     filtering = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
@@ -117,8 +194,7 @@ def sample(
         lambda s: jnp.ones(s.shape, bool),
         scaled,
     )
+    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
     keys = jax.vmap(jax.random.fold_in)(params.key, index)
-    drawn = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf))
-    token = jnp.where(params.temperature > 0, drawn.astype(jnp.int32), greedy)
-    logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-    return Sampled(token, logprob, top_ids.astype(jnp.int32), top_logprobs)
+    uniform = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    return _inverse_cdf(probs, uniform)

@@ -26,8 +26,8 @@ from engine.sampling import Sampled, SamplingArrays, sample
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DecodeState:
-    k_cache: jax.Array  # (layers, slots, kv_heads, max_len, head_dim)
-    v_cache: jax.Array  # (layers, slots, kv_heads, max_len, head_dim)
+    k_cache: tuple[jax.Array, ...]  # per layer: (slots, kv_heads, head_dim, max_len)
+    v_cache: tuple[jax.Array, ...]  # per layer: (slots, kv_heads, max_len, head_dim)
     lengths: jax.Array  # (slots,) int32: tokens whose KV is cached
     tokens: jax.Array  # (slots,) int32: last sampled token, fed next
     generated: jax.Array  # (slots,) int32: tokens sampled so far (prefill's included)
@@ -37,12 +37,13 @@ class DecodeState:
 
 
 def empty_state(cfg: ModelConfig, slots: int, max_len: int, dtype: jnp.dtype) -> DecodeState:
-    cache_shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+    k_shape = (slots, cfg.num_kv_heads, cfg.head_dim, max_len)
+    v_shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
     zeros_i = jnp.zeros((slots,), jnp.int32)
     zeros_f = jnp.zeros((slots,), jnp.float32)
     return DecodeState(
-        k_cache=jnp.zeros(cache_shape, dtype),
-        v_cache=jnp.zeros(cache_shape, dtype),
+        k_cache=tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)),
+        v_cache=tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)),
         lengths=zeros_i,
         tokens=zeros_i,
         generated=zeros_i,
@@ -63,16 +64,21 @@ def empty_state(cfg: ModelConfig, slots: int, max_len: int, dtype: jnp.dtype) ->
 def insert_prefix(
     state: DecodeState,
     slot: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+    k: tuple[jax.Array, ...],
+    v: tuple[jax.Array, ...],
     length: jax.Array,
     token: jax.Array,
     sampling: SamplingArrays,
 ) -> DecodeState:
-    """Put a prefilled prompt (k, v: (layers, kv_heads, bucket, head_dim)) into `slot`."""
-    start = (0, slot, 0, 0, 0)
-    k_cache = lax.dynamic_update_slice(state.k_cache, k[:, None].astype(state.k_cache.dtype), start)
-    v_cache = lax.dynamic_update_slice(state.v_cache, v[:, None].astype(state.v_cache.dtype), start)
+    """Put a prefilled prompt (per layer k: (kv_heads, head_dim, bucket), v: (kv_heads,
+    bucket, head_dim)) into positions 0..bucket-1 of `slot`."""
+    start = (slot, 0, 0, 0)
+
+    def put(cache: jax.Array, prompt: jax.Array) -> jax.Array:
+        return lax.dynamic_update_slice(cache, prompt[None].astype(cache.dtype), start)
+
+    k_cache = tuple(put(c, p) for c, p in zip(state.k_cache, k, strict=True))
+    v_cache = tuple(put(c, p) for c, p in zip(state.v_cache, v, strict=True))
     vocab = state.counts.shape[1]
     first_count = (jnp.arange(vocab) == token).astype(jnp.int32)
     return DecodeState(
@@ -108,7 +114,7 @@ def decode_step(
     Idle slots compute too (the batch shape is fixed) but their length, token
     and counters stay put. A slot whose cache is full becomes idle.
     """
-    max_len = state.k_cache.shape[3]
+    max_len = state.v_cache[0].shape[2]
     positions = jnp.minimum(state.lengths, max_len - 1)
     logits, k_cache, v_cache = decode_forward(
         params, state.tokens, positions, state.k_cache, state.v_cache, inv_freq, cfg

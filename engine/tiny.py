@@ -134,9 +134,7 @@ def random_weights(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     bias = config["model_type"] == "qwen2"
 
     def normal(*shape: int, scale: float = 1.0) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(
-            np.float32
-        )
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
 
     def linear(out: int, inp: int) -> np.ndarray:
         return normal(out, inp, scale=inp**-0.5)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-FLUSH_S = 0.3  # after a fault, time for error responses to reach their clients
+FLUSH_S = 1.0  # after a fault: time for error responses (and probes saying 503) to go out
 
 
 class DrainingServer(uvicorn.Server):

@@ -68,9 +68,20 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def _loc_to_param(loc: Sequence[Any]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    return ".".join(parts) or None
+_TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "function", "literal", "union")
+
+
+def _loc_to_param(loc: Sequence[Any]) -> tuple[str | None, str]:
+    """(top-level field, readable path) of a pydantic error location; union tags dropped."""
+    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    if not parts:
+        return None, ""
+    kept = [
+        str(p)
+        for p in parts
+        if not (isinstance(p, str) and (p.split("[")[0] in _TYPE_TAGS or "[" in p))
+    ]
+    return str(parts[0]), ".".join(kept)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -81,13 +92,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return bad_request("request body is not valid JSON", code="invalid_json")
-    param = _loc_to_param(first.get("loc", ()))
+    param, path = _loc_to_param(first.get("loc", ()))
     message = str(first.get("msg", "invalid value"))
-    if isinstance(first.get("ctx"), dict) and "error" in first["ctx"]:
-        message = str(first["ctx"]["error"])
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-    text = f"{param}: {message}" if param else message
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        message = "request body must be a JSON object"
+    elif param == "prompt" and path == "prompt" and first.get("type") != "value_error":
+        message = "must be a string, a list of strings, a list of token ids or a list of lists"
+    text = f"{path}: {message}" if path else message
     return bad_request(text, param=param, code="invalid_value")
 
 

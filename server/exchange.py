@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from engine.request import RequestStream
-from server.generation import PromptDelta, feed, submit_all
-from server.lifecycle import Backend, Runtime
+from engine.request import RequestFailed, RequestStream
+from server.generation import DrainExpired, PromptDelta, feed, submit_all
+from server.lifecycle import Backend, Runtime, State
 from server.metrics import EngineMetrics
 from server.params import GenerationPlan
 
@@ -74,11 +74,19 @@ class Exchange:
                     self.log.completion_tokens += tokens
                     self.log.finish_reasons.append(delta.finish_reason)
                 yield item
+        except RequestFailed as exc:
+            if self.runtime.state in (State.DRAINING, State.STOPPED):
+                exc = DrainExpired(str(exc))  # the drain timeout stopped the orchestrator
+            self._failed(exc)
+            raise exc from None
         except BaseException as exc:
-            self.log.error = type(exc).__name__
             if not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-                self.metrics.observe_failure(type(exc).__name__)
+                self._failed(exc)
             raise
+
+    def _failed(self, exc: BaseException) -> None:
+        self.log.error = type(exc).__name__
+        self.metrics.observe_failure(type(exc).__name__)
 
     def _stream_ended(self, stream: RequestStream) -> None:
         self.metrics.observe_timings(stream.timings)

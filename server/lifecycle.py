@@ -49,7 +49,6 @@ class Backend:
     tokenizer: TokenizerLike
     orchestrator: OrchestratorControl
     limits: ModelLimits
-    chat_template: Callable[[list[dict[str, str]]], list[int]] | None = None
 
 
 class State(enum.Enum):

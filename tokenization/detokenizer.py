@@ -12,8 +12,12 @@ constant. Text is held back while the tail could still change:
     decoder turns a whole run of byte tokens into U+FFFD if any byte in it is
     invalid, so the run's text is final only once a non-byte token ends it;
   - other decoders: while the decoded window ends in U+FFFD.
+The byte-fallback rule costs latency only for characters spelled in byte tokens
+(shown when the next ordinary token arrives, or at flush) and buys the invariant
+even for token sequences a model should never produce.
 Special tokens are dropped before decoding when skipped, exactly like the decoder
-does, so they never split or anchor the window.
+does, so they never split or anchor the window. Prompt context is the last few
+prompt tokens whose text is final; a prompt ending mid-character loses that tail.
 Invariant: all deltas joined, plus flush(), equal tokenizer.decode(all ids).
 """
 
@@ -52,45 +56,65 @@ class IncrementalDetokenizer:
         self._read = 0  # tokens before this have been emitted
         self._prefix_text = ""  # decode(ids[prefix:read])
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._prime([t for t in prompt_ids if t not in self._skipped][-PROMPT_CONTEXT_TOKENS:])
+        self._prime(self._context(prompt_ids))
+
+    def _context(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The last prompt tokens the decoder sees, cut back to where their text is final.
+
+        A prompt that ends mid-character (or, with byte fallback, in byte tokens) loses
+        that tail: generated tokens are decoded after the settled text before it.
+        """
+        end = len(prompt_ids)
+        while True:
+            tail, positions = [], []
+            for index in range(end - 1, -1, -1):
+                if prompt_ids[index] not in self._skipped:
+                    tail.append(prompt_ids[index])
+                    positions.append(index)
+                    if len(tail) == PROMPT_CONTEXT_TOKENS:
+                        break
+            tail.reverse()
+            if not tail or self._settled(tail):
+                return tail
+            end = positions[0]
+
+    def _settled(self, ids: list[int]) -> bool:
+        """Whether the text of a sequence ending in `ids` is final (see the module doc)."""
+        if self._style is DecoderStyle.BYTE_LEVEL:
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            decoder.decode(b"".join(self._token_bytes(i) for i in ids))
+            return not decoder.getstate()[0]
+        if self._style is DecoderStyle.BYTE_FALLBACK:
+            return ids[-1] not in self._byte_tokens
+        return not self._decode(ids).endswith("\ufffd")
 
     def _prime(self, context: list[int]) -> None:
-        """Take prompt tokens as already emitted context, unless they end mid-character."""
+        """Take settled prompt tokens as already emitted context."""
         for token_id in context:
             self._ids.append(token_id)
-            self._track(token_id)
-        if context and self._held_back(self._text(0)):
-            self._ids.clear()
-            self._utf8.reset()
-            return
+            self._tail_open(token_id)
         self._read = len(self._ids)
         self._prefix_text = self._text(0, self._read)
 
     def _text(self, start: int, stop: int | None = None) -> str:
         return self._decode(self._ids[start:stop], skip_special_tokens=self._skip_special_tokens)
 
-    def _track(self, token_id: int) -> None:
+    def _tail_open(self, token_id: int) -> bool:
+        """Account for an appended token; True while the text's tail cannot be final yet."""
         if self._style is DecoderStyle.BYTE_LEVEL:
             self._utf8.decode(self._token_bytes(token_id))
-
-    def _held_back(self, window_text: str) -> bool:
-        """Whether the window's tail could still decode differently once more tokens come."""
-        if self._style is DecoderStyle.BYTE_LEVEL:
             return bool(self._utf8.getstate()[0])
-        if self._style is DecoderStyle.BYTE_FALLBACK:
-            return self._ids[-1] in self._byte_tokens
-        return window_text.endswith("\ufffd")
+        return token_id in self._byte_tokens  # empty unless byte fallback
 
     def add(self, token_id: int) -> str:
         """The text `token_id` completes; "" while it is held back or the token is skipped."""
         if token_id in self._skipped:
             return ""
         self._ids.append(token_id)
-        self._track(token_id)
-        if self._style is not DecoderStyle.OTHER and self._held_back(""):
+        if self._tail_open(token_id):
             return ""
         window_text = self._text(self._prefix)
-        if self._style is DecoderStyle.OTHER and self._held_back(window_text):
+        if self._style is DecoderStyle.OTHER and window_text.endswith("\ufffd"):
             return ""
         return self._emit(window_text)
 

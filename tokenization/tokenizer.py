@@ -13,7 +13,6 @@ import json
 import logging
 import numbers
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +72,7 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special
         )
+        self.byte_token_ids: frozenset[int] = self._byte_token_ids()
         self._bytes_cache: dict[int, bytes] = {}
 
     @classmethod
@@ -85,12 +85,21 @@ class Tokenizer:
             raise TokenizationError(f"checkpoint folder {str(folder)!r} does not exist")
         try:
             hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, use_fast=True)
-        except (OSError, ValueError, TypeError, KeyError) as exc:
+        except Exception as exc:  # corrupt files raise bare Exceptions from the Rust side
             raise TokenizationError(
                 f"cannot load a fast tokenizer from {str(folder)!r}: {exc}"
             ) from exc
         eos = frozenset(_generation_eos_ids(folder))
-        return cls(hf, eos_token_ids=eos, chat_template=chat_template)
+        tokenizer = cls(hf, eos_token_ids=eos, chat_template=chat_template)
+        logger.info(
+            "tokenizer: %d ids, %s decoder, eos %s, bos %s, chat template: %s",
+            tokenizer.vocab_size,
+            tokenizer.style.value,
+            sorted(tokenizer.eos_token_ids),
+            tokenizer.bos_token_id,
+            "given" if chat_template else ("checkpoint" if tokenizer.has_chat_template else "none"),
+        )
+        return tokenizer
 
     @property
     def has_chat_template(self) -> bool:
@@ -147,8 +156,7 @@ class Tokenizer:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
         return text
 
-    @cached_property
-    def byte_token_ids(self) -> frozenset[int]:
+    def _byte_token_ids(self) -> frozenset[int]:
         """Ids of ByteFallback `<0xXX>` tokens (empty for other styles)."""
         if self.style is not DecoderStyle.BYTE_FALLBACK:
             return frozenset()

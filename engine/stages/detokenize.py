@@ -82,7 +82,6 @@ class DetokenizeStage:
         fault: Fault,
         *,
         eos_token_ids: Collection[int],
-        max_model_len: int,
         new_detokenizer: DetokenizerFactory,
         new_stop_matcher: StopMatcherFactory,
         on_done: Callable[[Job], None],
@@ -92,7 +91,6 @@ class DetokenizeStage:
         self._stop = stop
         self._fault = fault
         self._eos = frozenset(eos_token_ids)
-        self._max_model_len = max_model_len
         self._new_detokenizer = new_detokenizer
         self._new_stop_matcher = new_stop_matcher
         self._on_done = on_done
@@ -160,8 +158,7 @@ class DetokenizeStage:
             return
         output = message.output
         tokens = np.asarray(output.tokens)
-        with_logprobs = [s for s in live if s.job.samplings[s.index].logprobs is not None]
-        if with_logprobs:
+        if any(s.job.samplings[s.index].logprobs is not None for s in live):
             logprob = np.asarray(output.logprobs)
             top_ids = np.asarray(output.top_ids)
             top_logprobs = np.asarray(output.top_logprobs)

@@ -108,13 +108,14 @@ class AdmissionQueue:
                 self._cond.wait(POLL_S)
             return self._jobs.popleft()
 
-    def remove(self, request_id: str) -> Job | None:
+    def remove(self, job: Job) -> bool:
+        """Take a job out if it is still waiting; False if prefill already has it."""
         with self._cond:
-            for job in self._jobs:
-                if job.request.request_id == request_id:
-                    self._jobs.remove(job)
-                    return job
-        return None
+            for i, waiting in enumerate(self._jobs):
+                if waiting is job:
+                    del self._jobs[i]
+                    return True
+        return False
 
     def clear(self) -> list[Job]:
         with self._cond:

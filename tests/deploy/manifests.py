@@ -6,6 +6,9 @@ fails here the same way it would fail for a user.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -62,3 +65,25 @@ def server_environ(objects: list[Manifest]) -> dict[str, str]:
     for var in container.get("env", []):
         environ[var["name"]] = var["value"]
     return environ
+
+
+def server_cli_flags() -> frozenset[str]:
+    """Every option the real `python -m server` parser accepts, read from its --help."""
+    from server.config import parse_config
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        parse_config(["--help"], environ={})
+    flags = frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out.getvalue()))
+    assert "--model" in flags, out.getvalue()
+    return flags
+
+
+def check_server_variable(name: str, value: str) -> None:
+    """An LLM_SERVER_* variable names an exact flag (argparse's prefix matching aside), and
+    the server reads the same value from the variable as from the flag."""
+    from server.config import ENV_PREFIX, parse_config
+
+    flag = "--" + name.removeprefix(ENV_PREFIX).lower().replace("_", "-")
+    assert flag in server_cli_flags(), f"{name}: the server has no flag {flag}"
+    assert parse_config([flag, value], environ={}) == parse_config([], environ={name: value})

@@ -23,7 +23,9 @@ from tests.deploy.manifests import (
     DEPLOY,
     OVERLAYS,
     Manifest,
+    check_server_variable,
     find,
+    server_cli_flags,
     server_container,
     server_environ,
 )
@@ -104,16 +106,12 @@ def test_validator_rejects_a_misspelt_field(rendered: dict[str, list[Manifest]])
 def test_every_server_variable_is_a_real_flag(
     rendered: dict[str, list[Manifest]], overlay: str
 ) -> None:
-    """Each LLM_SERVER_* variable, given as its flag, is accepted by the server's parser."""
+    """Each LLM_SERVER_* variable is an exact flag of the server's parser, read the same way."""
     environ = server_environ(rendered[overlay])
     server_vars = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
     assert "LLM_SERVER_MODEL" in server_vars
     for name, value in server_vars.items():
-        flag = "--" + name.removeprefix(ENV_PREFIX).lower().replace("_", "-")
-        try:
-            parse_config([flag, value], environ={})
-        except SystemExit:
-            pytest.fail(f"{overlay}: {name} is not a server flag ({flag} rejected)")
+        check_server_variable(name, value)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -123,7 +121,10 @@ def test_command_is_the_server_entrypoint(
     container = server_container(rendered[overlay])
     assert container["command"] == ["python", "-m", "server"]
     assert importlib.util.find_spec("server.__main__") is not None
-    parse_config(container.get("args", []), environ={})  # SystemExit on an unknown flag
+    flags = server_cli_flags()
+    for arg in container.get("args", []):
+        if arg.startswith("--"):
+            assert arg.split("=", 1)[0] in flags, arg
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -168,6 +169,33 @@ def test_probes_use_readiness_for_warmup_and_health_for_liveness(
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
     assert live["failureThreshold"] >= 3
     assert "initialDelaySeconds" not in live, "startupProbe gates liveness; no fixed delay"
+
+
+def test_probe_and_scrape_paths_are_routes_of_the_app(rendered: dict[str, list[Manifest]]) -> None:
+    """The app `python -m server` serves has a GET route for every path the manifests use.
+
+    Building the app loads nothing (the model loads at lifespan start), so this is cheap; the
+    SSE tests also call these paths on a live server.
+    """
+    from fastapi.routing import APIRoute
+    from starlette.routing import Route
+
+    from server.app import create_app
+
+    app = create_app(ServerConfig())
+    get_paths = {
+        route.path
+        for route in app.routes
+        if isinstance(route, (APIRoute, Route)) and "GET" in (route.methods or set())
+    }
+    objects = rendered["cpu"]
+    container = server_container(objects)
+    used = {
+        container[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
+    annotations = find(objects, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    used.add(annotations["prometheus.io/path"])
+    assert used <= get_paths, f"not routes of the app: {used - get_paths}"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

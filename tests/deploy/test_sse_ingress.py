@@ -235,6 +235,18 @@ def test_stream_headers_from_the_server(server_port: int) -> None:
     assert timing.headers["cache-control"] == "no-cache"
     assert timing.headers["content-type"].startswith("text/event-stream")
     assert_spread(timing)
+    chat = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "stream": True,
+    }
+    url = f"http://127.0.0.1:{server_port}/v1/chat/completions"
+    with httpx.stream("POST", url, json=chat, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["x-accel-buffering"] == "no"
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.read().rstrip().endswith(b"data: [DONE]")
 
 
 def test_stream_through_ingress_settings_is_spread(

@@ -292,3 +292,23 @@ def test_submit_before_start_and_after_stop_is_unavailable() -> None:
     o.stop()
     with pytest.raises(Unavailable):
         o.submit(request("a", (1,)))
+
+
+def test_orchestrator_modules_import_no_server_or_prometheus_code() -> None:
+    import ast
+    from pathlib import Path
+
+    import engine
+
+    root = Path(engine.__file__).parent
+    files = [root / "orchestrator.py", root / "request.py", root / "fake.py"]
+    files += sorted((root / "stages").glob("*.py"))
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert not name.startswith(("server", "prometheus")), (path.name, name)

@@ -146,3 +146,18 @@ def test_seeded_samples_do_not_depend_on_the_batch(
     samples = [[t for d in deltas if d.index == i for t in d.token_ids] for i in range(3)]
     assert samples[0] == token_ids(alone)
     assert len({tuple(s) for s in samples}) > 1  # other samples follow other seeds
+
+
+def test_greedy_logprobs_come_back_per_token(orch: Orchestrator, tokenizer: Tokenizer) -> None:
+    prompt = prompts(tokenizer, 2)[1]
+    sampling = SamplingParams(temperature=0.0, logprobs=2)
+    deltas = run(orch, "lp", prompt, sampling=sampling, max_tokens=6, prompt_logprobs=True)
+    for d in deltas:
+        (token,) = d.token_ids
+        (lp,) = d.logprobs or ()
+        assert lp.token_id == token and len(lp.top) == 2
+        assert lp.top[0][0] == token and lp.logprob == pytest.approx(lp.top[0][1], abs=1e-5)
+        assert lp.top[0][1] >= lp.top[1][1] and lp.logprob <= 0
+    echo = deltas[0].prompt_logprobs
+    assert echo is not None and len(echo) == len(prompt) and echo[0] is None
+    assert [e.token_id for e in echo[1:] if e is not None] == list(prompt[1:])

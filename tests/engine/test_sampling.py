@@ -126,10 +126,22 @@ def test_presence_and_frequency_penalties_steer_greedy(logits):
 
 def test_min_tokens_holds_back_eos(logits):
     eos = int(np.argmax(logits))
-    held = draw(logits, rows=1, eos=(eos,), temperature=0.0, min_tokens=3,
-                generated=jnp.array([2], jnp.int32))
-    free = draw(logits, rows=1, eos=(eos,), temperature=0.0, min_tokens=3,
-                generated=jnp.array([3], jnp.int32))
+    held = draw(
+        logits,
+        rows=1,
+        eos=(eos,),
+        temperature=0.0,
+        min_tokens=3,
+        generated=jnp.array([2], jnp.int32),
+    )
+    free = draw(
+        logits,
+        rows=1,
+        eos=(eos,),
+        temperature=0.0,
+        min_tokens=3,
+        generated=jnp.array([3], jnp.int32),
+    )
     assert held.token[0] != eos
     assert free.token[0] == eos
 

@@ -21,7 +21,7 @@ def make_config(model: Path, **overrides: object) -> ServerConfig:
         "served_model_name": MODEL_NAME,
         "max_slots": SLOTS,
         "max_model_len": MAX_MODEL_LEN,
-        "prefill_buckets": (16, 32, 64),
+        "prefill_buckets": (32, 64),
         "max_queued_requests": 32,
         "sse_ping_interval": 0.5,
     }

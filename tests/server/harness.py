@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,7 @@ import uvicorn
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.lifecycle import Backend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,16 +53,26 @@ def wait_ready(base_url: str, timeout: float, proc: subprocess.Popen | None = No
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(base_url + "/ready", timeout=2).status_code == 200:
                 return
+            if httpx.get(base_url + "/health", timeout=2).status_code == 503:
+                raise RuntimeError(f"server at {base_url} failed while starting")
         time.sleep(0.1)
     raise TimeoutError(f"server at {base_url} not ready after {timeout} s")
 
 
 @contextlib.contextmanager
-def serve_in_thread(config: ServerConfig, ready_timeout: float = 180) -> Iterator[LiveServer]:
-    """uvicorn on a background thread (no signal handlers there), stopped on exit."""
+def serve_in_thread(
+    config: ServerConfig,
+    ready_timeout: float = 180,
+    loader: Callable[[], Backend] | None = None,
+    wait: bool = True,
+) -> Iterator[LiveServer]:
+    """uvicorn on a background thread (no signal handlers there), stopped on exit.
+
+    With wait=False it yields once the socket listens, before the model is ready.
+    """
     port = free_port()
     config = _with_port(config, port)
-    app = create_app(config)
+    app = create_app(config, loader)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on")
     )
@@ -69,7 +80,12 @@ def serve_in_thread(config: ServerConfig, ready_timeout: float = 180) -> Iterato
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base, ready_timeout)
+        if wait:
+            wait_ready(base, ready_timeout)
+        else:
+            deadline = time.monotonic() + 30
+            while not server.started and time.monotonic() < deadline:
+                time.sleep(0.02)
         yield LiveServer(base, config, app)
     finally:
         server.should_exit = True

@@ -1,7 +1,7 @@
 """Real tokenizers for the tokenization tests, trained here and saved like checkpoints.
 
 Two styles, both with merges so characters really are split across tokens:
-- byte-level BPE (GPT-2 / Llama 3 style): every token is a byte string;
+- byte-level BPE (Llama 3 style): every token is a byte string, BOS added on encode;
 - SentencePiece-style BPE with byte fallback (Llama 2 style): `<0xXX>` byte tokens
   for characters outside a deliberately small alphabet, `▁` as the space marker,
   BOS added on encode and the leading space stripped on decode.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import string
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,10 @@ CORPUS = [
     "שלום עולם مرحبا بالعالم",
     "STOP here. END of line\nnew line\ttab",
 ] * 20
+
+# Characters the SentencePiece-style model learns; all others fall back to <0xXX> bytes.
+# (An explicit alphabet, not limit_alphabet, whose ties make training nondeterministic.)
+SPIECE_ALPHABET = frozenset(string.ascii_letters + string.digits + " .,!\n" + "éö日本語の文😀👍")
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -55,12 +60,22 @@ def build_byte_level(folder: Path) -> Path:
     rust.decoder = decoders.ByteLevel()
     trainer = BpeTrainer(
         vocab_size=420,
-        special_tokens=["<|endoftext|>", "<|eot|>"],
+        special_tokens=["<|endoftext|>", "<|eot|>", "<|begin_of_text|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     rust.train_from_iterator(CORPUS, trainer)
-    _save(rust, folder, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    rust.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A",
+                pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                special_tokens=[("<|begin_of_text|>", 2)],
+            ),
+        ]
+    )
+    _save(rust, folder, eos_token="<|endoftext|>", bos_token="<|begin_of_text|>")
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = CHAT_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
@@ -76,10 +91,10 @@ def build_sentencepiece(folder: Path) -> Path:
     trainer = BpeTrainer(
         vocab_size=300,
         special_tokens=["<unk>", "<s>", "</s>"],
-        limit_alphabet=70,
         show_progress=False,
     )
-    trainer_model.train_from_iterator(CORPUS, trainer)
+    corpus = ["".join(c for c in line if c in SPIECE_ALPHABET) for line in CORPUS]
+    trainer_model.train_from_iterator(corpus, trainer)
     trained = json.loads(trainer_model.to_str())["model"]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for byte in range(256):
@@ -142,3 +157,32 @@ def gpt2(gpt2_dir: Path) -> Tokenizer:
 @pytest.fixture(scope="session", params=["byte_level", "sentencepiece", "gpt2"])
 def any_tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
     return request.getfixturevalue(request.param)
+
+
+def build_metaspace(folder: Path) -> Path:
+    """A byte-free SentencePiece-style BPE (Metaspace decoder, <unk> for unknown characters)."""
+    rust = RustTokenizer(models.BPE(unk_token="<unk>"))
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    rust.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"], show_progress=False)
+    rust.train_from_iterator(
+        ["".join(c for c in line if c in SPIECE_ALPHABET) for line in CORPUS], trainer
+    )
+    return _save(rust, folder, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def metaspace(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_folder(build_metaspace(tmp_path_factory.mktemp("metaspace")))
+
+
+@pytest.fixture(scope="session")
+def llama_class_dir(sentencepiece_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The byte-fallback checkpoint declared as a Llama tokenizer, as Llama 2 checkpoints are."""
+    folder = tmp_path_factory.mktemp("llama-class")
+    for item in sentencepiece_dir.iterdir():
+        shutil.copy(item, folder / item.name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="LlamaTokenizerFast", add_bos_token=True, add_eos_token=False)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

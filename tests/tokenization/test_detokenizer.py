@@ -7,6 +7,8 @@ and over random token-id sequences biased towards lone byte tokens and specials.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,6 +17,7 @@ from tokenization import IncrementalDetokenizer, Tokenizer
 from tokenization.byte_decoding import DecoderStyle
 
 PROPERTY = settings(
+    database=None,
     max_examples=120,
     deadline=None,
     derandomize=True,
@@ -152,15 +155,27 @@ def test_prompt_context_gives_the_continuation(
 ):
     prompt_ids = any_tokenizer.encode(prompt)
     ids = any_tokenizer.encode(completion, add_special_tokens=False)
-    prompt_text = any_tokenizer.decode(prompt_ids)
-    full = any_tokenizer.decode(prompt_ids + ids)
     detok = IncrementalDetokenizer(any_tokenizer, prompt_ids)
     text = "".join(detok.add(i) for i in ids) + detok.flush()
-    if settled(any_tokenizer, prompt_ids):
-        assert full.startswith(prompt_text)
-        assert text == full[len(prompt_text) :]
-    else:
-        assert text == any_tokenizer.decode(ids)
+    # A prompt tail whose text is not final yet is not context; the rest is.
+    context = list(prompt_ids)
+    while context and not settled(any_tokenizer, context):
+        context.pop()
+    context_text = any_tokenizer.decode(context)
+    full = any_tokenizer.decode(context + ids)
+    assert full.startswith(context_text)
+    assert text == full[len(context_text) :]
+
+
+def test_prompt_ending_mid_character(gpt2: Tokenizer, sentencepiece: Tokenizer):
+    for tok in (gpt2, sentencepiece):
+        prompt = tok.encode("Say 😀")
+        cut = next(n for n in range(len(prompt) - 1, 0, -1) if settled(tok, prompt[:n]))
+        generated = tok.encode(" ok", add_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, prompt[: cut + 1])
+        text = "".join(detok.add(i) for i in generated) + detok.flush()
+        assert text == tok.decode(prompt[:cut] + generated)[len(tok.decode(prompt[:cut])) :]
+        assert "\ufffd" not in text
 
 
 def test_window_stays_small(gpt2: Tokenizer):
@@ -179,3 +194,25 @@ def test_window_stays_small(gpt2: Tokenizer):
     assert text == gpt2.decode(ids[:20] + ids)[len(gpt2.decode(ids[:20])) :]
     assert len(ids) > 600 and max(widths) <= 6
     assert len(detok._ids) <= 300
+
+
+@PROPERTY
+@given(text=unicode_text, data=st.data())
+def test_decoder_without_bytes(metaspace: Tokenizer, text: str, data: st.DataObject):
+    """A tokenizer with neither byte table nor byte fallback (unknown text becomes <unk>)."""
+    assert metaspace.style is DecoderStyle.OTHER
+    check_stream(metaspace, metaspace.encode(text, add_special_tokens=False))
+    check_stream(metaspace, data.draw(st.lists(st.integers(0, metaspace.vocab_size - 1))))
+
+
+def test_llama_tokenizer_class(llama_class_dir: Path):
+    tok = Tokenizer.from_folder(llama_class_dir)
+    assert tok.style is DecoderStyle.BYTE_FALLBACK and tok.bos_token_id == 1
+    text = "Hello 日本語 👨‍👩‍👧‍👦 café"
+    ids = tok.encode(text)
+    assert ids == tok.hf.encode(text) and ids[0] == 1 and tok.decode(ids) == text
+    check_stream(tok, ids)
+    prompt = tok.encode("Say")
+    detok = IncrementalDetokenizer(tok, prompt)
+    out = "".join(detok.add(i) for i in ids[1:]) + detok.flush()
+    assert out == tok.decode(prompt + ids[1:])[len(tok.decode(prompt)) :]

@@ -36,7 +36,15 @@ def test_eos_single_int_generation_config(sentencepiece_dir: Path, tmp_path: Pat
     assert Tokenizer.from_folder(folder).eos_token_ids == frozenset({2, 7})
 
 
-def test_encode_adds_bos_as_the_model_expects(sentencepiece: Tokenizer, gpt2: Tokenizer):
+def test_encode_adds_bos_as_the_model_expects(
+    sentencepiece: Tokenizer, byte_level: Tokenizer, gpt2: Tokenizer
+):
+    assert byte_level.bos_token_id == 2
+    assert (
+        byte_level.encode("Hi")[0] == 2
+        and byte_level.encode("Hi", add_special_tokens=False)[0] != 2
+    )
+    assert byte_level.decode(byte_level.encode("Hi")) == "Hi"
     ids = sentencepiece.encode("Hello")
     assert sentencepiece.bos_token_id == 1
     assert ids[0] == 1 and ids.count(1) == 1
@@ -99,20 +107,21 @@ def test_token_text_and_bytes(gpt2: Tokenizer, sentencepiece: Tokenizer):
 @pytest.mark.parametrize("text", TEXTS)
 def test_token_bytes_join_to_text(gpt2: Tokenizer, byte_level: Tokenizer, text: str):
     for tok in (gpt2, byte_level):
-        ids = tok.encode(text)
+        ids = tok.encode(text, add_special_tokens=False)
         assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
 
 
 def test_chat_template_from_checkpoint(byte_level: Tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 👋"}]
     expected = (
-        "<|endoftext|><|system|>Be brief.<|endoftext|><|user|>Hi 👋<|endoftext|><|assistant|>"
+        "<|begin_of_text|><|system|>Be brief.<|endoftext|><|user|>Hi 👋<|endoftext|><|assistant|>"
     )
     assert byte_level.has_chat_template
     assert byte_level.render_chat(messages) == expected
     ids = byte_level.apply_chat_template(messages)
     assert ids == byte_level.encode(expected, add_special_tokens=False)
-    assert ids.count(0) == 3  # the template's BOS and EOS strings became special ids
+    assert ids.count(0) == 2  # the template's EOS strings became special ids
+    assert ids.count(2) == 1 and ids[0] == 2  # one BOS: the template's, none added on top
     no_prompt = byte_level.render_chat(messages, add_generation_prompt=False)
     assert not no_prompt.endswith("<|assistant|>")
 
@@ -155,6 +164,14 @@ def test_missing_folder_or_tokenizer(tmp_path: Path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TokenizationError, match="cannot load"):
         Tokenizer.from_folder(tmp_path / "empty")
+
+
+def test_corrupt_tokenizer_file(gpt2_dir: Path, tmp_path: Path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(gpt2_dir, folder)
+    (folder / "tokenizer.json").write_text('{"model": {"type": "nonsense"}}')
+    with pytest.raises(TokenizationError, match="cannot load"):
+        Tokenizer.from_folder(folder)
 
 
 def test_bad_generation_config(gpt2_dir: Path, tmp_path: Path):

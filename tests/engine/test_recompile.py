@@ -1,0 +1,59 @@
+"""After warm-up, serving every prompt length compiles nothing new."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import pytest
+
+from engine.types import SamplingParams
+
+TRACE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+@pytest.fixture
+def compile_events() -> Iterator[list[str]]:
+    """Names of jax tracing / compilation events recorded while the test runs."""
+    events: list[str] = []
+    recording = [True]
+
+    def listener(event: str, duration: float, **_: object) -> None:
+        if recording[0] and event in TRACE_EVENTS:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield events
+    recording[0] = False
+
+
+def test_no_compilation_after_warmup(small_engine, compile_events):
+    engine = small_engine
+    sizes_before = {name: f._cache_size() for name, f in jitted(engine).items()}
+    state = engine.init_state()
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=5, logprobs=3)
+    for length in range(1, engine.max_prompt_len + 1):
+        prompt = [(7 * i) % engine.vocab_size for i in range(length)]
+        prefix = engine.prefill(prompt, sampling, prompt_logprobs=length % 7 == 0)
+        if length % 5 == 0:
+            prefix = engine.resample(prefix, SamplingParams(seed=length))
+        slot = length % engine.max_slots
+        state = engine.free(state, slot)
+        state = engine.insert(prefix, state, slot)
+        state, out = engine.generate(state)
+    jax.block_until_ready(out.tokens)
+    assert compile_events == []
+    assert {name: f._cache_size() for name, f in jitted(engine).items()} == sizes_before
+
+
+def test_the_counter_sees_a_compilation(small_engine, compile_events):
+    """The check above can fail: a new shape is noticed."""
+    jax.jit(lambda x: x * 3)(jax.numpy.ones((3, 5, 7)))
+    assert compile_events
+
+
+def jitted(engine) -> dict[str, object]:
+    return {name: f for name, f in vars(engine).items() if hasattr(f, "_cache_size")}

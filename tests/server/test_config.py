@@ -1,0 +1,93 @@
+"""ServerConfig from flags and LLM_SERVER_* variables: flag beats env beats default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.config import ServerConfig, parse_config
+
+
+def test_defaults() -> None:
+    config = parse_config([], environ={})
+    assert (config.host, config.port) == ("0.0.0.0", 8000)
+    assert config.model is None and config.model_name == "demo-model"
+    assert config.drain_timeout == 30.0 and config.sse_ping_interval == 15.0
+    assert config.log_format == "json" and config.api_key is None
+    assert config.cache_dir == Path.home() / ".cache" / "jax-llm-server"
+
+
+def test_flag_beats_env_beats_default(tmp_path: Path) -> None:
+    env = {"LLM_SERVER_PORT": "9001", "LLM_SERVER_MAX_SLOTS": "3", "LLM_SERVER_API_KEY": "k1"}
+    config = parse_config(["--port", "9002"], environ=env)
+    assert config.port == 9002
+    assert config.max_slots == 3
+    assert config.api_key == "k1"
+
+
+def test_every_listed_flag_parses(tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    config = parse_config(
+        [
+            "--model", str(tmp_path), "--served-model-name", "m", "--host", "127.0.0.1",
+            "--port", "1234", "--max-slots", "2", "--max-model-len", "256",
+            "--prefill-buckets", "16,32,64", "--dtype", "bfloat16",
+            "--max-queued-requests", "5", "--api-key", "secret", "--log-level", "debug",
+            "--log-format", "text", "--chat-template", str(template), "--drain-timeout", "2.5",
+            "--sse-ping-interval", "3", "--max-request-bytes", "2048",
+            "--cache-dir", str(tmp_path / "cache"),
+        ],
+        environ={},
+    )  # fmt: skip
+    assert config == ServerConfig(
+        model=tmp_path,
+        served_model_name="m",
+        host="127.0.0.1",
+        port=1234,
+        max_slots=2,
+        max_model_len=256,
+        prefill_buckets=(16, 32, 64),
+        dtype="bfloat16",
+        max_queued_requests=5,
+        api_key="secret",
+        log_level="debug",
+        log_format="text",
+        chat_template=template,
+        drain_timeout=2.5,
+        sse_ping_interval=3.0,
+        max_request_bytes=2048,
+        cache_dir=tmp_path / "cache",
+    )
+    assert config.model_name == "m"
+
+
+def test_cache_dir_follows_xdg(tmp_path: Path) -> None:
+    config = parse_config([], environ={"XDG_CACHE_HOME": str(tmp_path)})
+    assert config.demo_model_dir == tmp_path / "jax-llm-server" / "demo-model"
+
+
+def test_fault_injection_from_env() -> None:
+    config = parse_config([], environ={"LLM_SERVER_FAULT_INJECTION": "generate:after=3"})
+    assert config.fault_injection == "generate:after=3"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["--port", "abc"], {}, "--port"),
+        ([], {"LLM_SERVER_PORT": "70000"}, "port"),
+        (["--max-slots", "0"], {}, "max_slots"),
+        (["--dtype", "float16"], {}, "dtype"),
+        (["--prefill-buckets", "32,16"], {}, "prefill_buckets"),
+        (["--prefill-buckets", "a,b"], {}, "prefill-buckets"),
+        (["--log-format", "xml"], {}, "log_format"),
+        (["--drain-timeout", "-1"], {}, "drain_timeout"),
+        ([], {"LLM_SERVER_MAX_MODEL_LEN": "1"}, "max_model_len"),
+    ],
+)
+def test_bad_values_raise_value_error_naming_them(
+    argv: list[str], env: dict[str, str], needle: str
+) -> None:
+    with pytest.raises(ValueError, match=needle):
+        parse_config(argv, environ=env)

@@ -1,0 +1,65 @@
+"""/metrics after a few requests: the engine histograms, counters and gauges, plausibly valued."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import MODEL_NAME
+from tests.server.harness import LiveServer
+
+
+def scrape(live: LiveServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(live.base_url + "/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted({"model_name": MODEL_NAME, **labels}.items())))
+    return samples.get(key, 0.0)
+
+
+def test_engine_metrics_count_each_request(live: LiveServer) -> None:
+    before = scrape(live)
+    usages = []
+    for i in range(3):
+        body = {"prompt": f"Metrics {i}", "max_tokens": 5, "ignore_eos": True}
+        usages.append(httpx.post(live.v1 + "/completions", json=body, timeout=30).json()["usage"])
+    body = {"prompt": "Metrics stream", "max_tokens": 5, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", live.v1 + "/completions", json=body, timeout=30) as response:
+        response.read()
+    after = scrape(live)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    for histogram in (
+        "llm_time_to_first_token_seconds",
+        "llm_e2e_request_latency_seconds",
+        "llm_request_queue_time_seconds",
+        "llm_request_prefill_time_seconds",
+    ):
+        assert delta(histogram + "_count") == 4, histogram
+        assert 0 < delta(histogram + "_sum") < 4 * 30, histogram
+    # 5 tokens each: 4 gaps between them per request
+    assert delta("llm_inter_token_latency_seconds_count") == 4 * 4
+    assert delta("llm_generation_tokens_total") == 4 * 5
+    streamed_prompt = delta("llm_prompt_tokens_total") - sum(u["prompt_tokens"] for u in usages)
+    assert streamed_prompt > 0
+    assert delta("llm_requests_finished_total", finish_reason="length") == 4
+    # TTFT can never exceed end-to-end latency
+    assert delta("llm_time_to_first_token_seconds_sum") <= delta(
+        "llm_e2e_request_latency_seconds_sum"
+    )
+
+    assert value(after, "llm_requests_running") == 0
+    assert value(after, "llm_requests_waiting") == 0
+    assert value(after, "llm_slots_in_use_ratio") == 0
+    for stage in ("prefill", "transfer", "detokenize"):
+        assert (("llm_queue_depth", (("model_name", MODEL_NAME), ("stage", stage)))) in after
+    http = [k for k in after if k[0] == "http_requests_total"]
+    assert any(("handler", "/v1/completions") in labels for _, labels in http)

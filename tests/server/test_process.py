@@ -1,0 +1,206 @@
+"""`python -m server` as a process: readiness, API key, SIGTERM drain, engine fault, demo model.
+
+Every process uses the shapes of the in-thread test server, so the persistent
+compile cache makes each warm-up a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, SLOTS
+from tests.server.harness import REPO_ROOT, free_port, serve_process, sse_events
+
+pytestmark = pytest.mark.slow
+
+SHAPE_FLAGS = [
+    "--max-slots", str(SLOTS), "--max-model-len", str(MAX_MODEL_LEN),
+    "--prefill-buckets", "32,64", "--served-model-name", MODEL_NAME, "--log-level", "info",
+]  # fmt: skip
+KEY = "s3cret-key"
+
+
+def test_probes_api_key_and_sigterm_drain(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    env = {"PYTHONPATH": str(REPO_ROOT), "LLM_SERVER_API_KEY": KEY}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--model", str(tiny_checkpoint), "--host",
+             "127.0.0.1", "--port", str(port), "--drain-timeout", "30", *SHAPE_FLAGS],
+            cwd=str(REPO_ROOT), env={**_environ(), **env}, stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        # readiness: 503 while warming up, liveness 200 all along
+        ready_codes, health_codes = _poll_until_ready(base, proc)
+        assert 503 in ready_codes and ready_codes[-1] == 200
+        assert set(health_codes) == {200}
+        _check_api_key(base)
+        _check_sigterm_drain(base, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    log = log_path.read_text(errors="replace")
+    records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    access = [r for r in records if r.get("message") == "request" and r.get("status") == 200]
+    assert any(r.get("completion_tokens") for r in access), "access log lines carry token counts"
+    assert all("request_id" in r for r in access)
+
+
+def _environ() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def _poll_until_ready(base: str, proc: subprocess.Popen) -> tuple[list[int], list[int]]:
+    ready_codes: list[int] = []
+    health_codes: list[int] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "server exited during start-up"
+        try:
+            ready = httpx.get(base + "/ready", timeout=2).status_code
+            health_codes.append(httpx.get(base + "/health", timeout=2).status_code)
+        except httpx.HTTPError:
+            time.sleep(0.05)
+            continue
+        ready_codes.append(ready)
+        if ready == 200:
+            return ready_codes, health_codes
+        time.sleep(0.05)
+    raise TimeoutError("server not ready")
+
+
+def _check_api_key(base: str) -> None:
+    routes = [
+        ("GET", "/v1/models", None),
+        ("GET", f"/v1/models/{MODEL_NAME}", None),
+        ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                          "max_tokens": 2}),
+    ]  # fmt: skip
+    for method, path, body in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            response = httpx.request(method, base + path, json=body, headers=headers, timeout=30)
+            assert response.status_code == 401, (path, headers)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        good = {"Authorization": f"Bearer {KEY}"}
+        response = httpx.request(method, base + path, json=body, headers=good, timeout=30)
+        assert response.status_code == 200, (path, response.text)
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(base + path, timeout=10).status_code == 200
+
+
+def _check_sigterm_drain(base: str, proc: subprocess.Popen) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "Drain me", "max_tokens": 90, "temperature": 0, "ignore_eos": True}
+    expected = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=60)
+    expected_text = expected.json()["choices"][0]["text"]
+    streams = 4 * SLOTS
+
+    async def run() -> tuple[list[bytes], int]:
+        async with httpx.AsyncClient(timeout=60, headers=headers) as client:
+            started = asyncio.Event()
+            opened = 0
+
+            async def one() -> bytes:
+                nonlocal opened
+                async with client.stream(
+                    "POST", base + "/v1/completions", json={**body, "stream": True}
+                ) as response:
+                    assert response.status_code == 200
+                    opened += 1
+                    if opened == streams:
+                        started.set()
+                    return await response.aread()
+
+            tasks = [asyncio.create_task(one()) for _ in range(streams)]
+            await started.wait()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.05)
+            refused = await client.post(base + "/v1/completions", json=body)
+            return await asyncio.gather(*tasks), refused.status_code
+
+    raws, refused_status = asyncio.run(run())
+    assert refused_status == 503
+    for raw in raws:
+        events = sse_events(raw.decode("utf-8"))
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(30) == 0
+
+
+def test_engine_fault_fails_requests_and_exits_nonzero(tmp_path: Path) -> None:
+    """Also: no --model serves the embedded demo model, built on first start."""
+    cache = tmp_path / "cache"
+    env = {"LLM_SERVER_FAULT_INJECTION": "generate:after=60", "LLM_SERVER_CACHE_DIR": str(cache)}
+    with serve_process(SHAPE_FLAGS, tmp_path, env=env) as server:
+        assert (cache / "demo-model" / "config.json").is_file()
+        base = server.base_url
+        models = httpx.get(base + "/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == MODEL_NAME
+        ok = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+        body = {"prompt": "Fail", "max_tokens": 120, "ignore_eos": True}
+
+        async def run() -> tuple[httpx.Response, bytes, float]:
+            """A stream is running when a whole request joins it; the fault hits both."""
+            async with httpx.AsyncClient(timeout=30) as client:
+                started = time.monotonic()
+                raw = b""
+                whole_task = None
+                async with client.stream(
+                    "POST", base + "/v1/completions", json={**body, "stream": True}
+                ) as response:
+                    async for piece in response.aiter_bytes():
+                        raw += piece
+                        if whole_task is None:  # the stream is running: a second request joins
+                            whole_task = asyncio.create_task(
+                                client.post(base + "/v1/completions", json=body)
+                            )
+                assert whole_task is not None
+                whole = await whole_task
+                return whole, raw, time.monotonic() - started
+
+        whole, raw, elapsed = asyncio.run(run())
+        assert elapsed < 5
+        assert whole.status_code == 503
+        assert whole.json()["error"]["code"] == "engine_failure"
+        events = sse_events(raw.decode("utf-8"))
+        assert events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2])
+        health = httpx.get(base + "/health", timeout=5)
+        assert health.status_code == 503
+        assert httpx.get(base + "/ready", timeout=5).status_code == 503
+        assert server.proc.wait(30) != 0
+        log = server.log()
+        assert log.count('"traceback"') == 1, "the stage's traceback is logged exactly once"
+        assert "InjectedFault" in log
+
+
+def test_bad_flag_exits_with_usage_error(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "server", "--port", "not-a-port"],
+        cwd=str(REPO_ROOT),
+        env={**_environ(), "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert b"--port" in result.stderr
