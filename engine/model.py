@@ -164,7 +164,7 @@ def decode_forward(
     cos, sin = rope_tables(positions, inv_freq, dtype)
     mask = _visible(positions[:, None, None, None], jnp.arange(max_len)[None, None, None], cfg)
     groups = cfg.num_heads // cfg.num_kv_heads
-    scale = cfg.head_dim**-0.5
+    scale = jnp.asarray(cfg.head_dim**-0.5, dtype)
     slot_ids = jnp.arange(slots)
 
     new_k, new_v = [], []
@@ -173,7 +173,7 @@ def decode_forward(
         k_layer = k_layer.at[slot_ids, :, :, positions].set(k.astype(k_layer.dtype))
         v_layer = v_layer.at[slot_ids, :, positions].set(v.astype(v_layer.dtype))
         qg = q.reshape(slots, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("skgd,skdt->skgt", qg, k_layer) * jnp.asarray(scale, dtype)
+        scores = jnp.einsum("skgd,skdt->skgt", qg, k_layer) * scale
         probs = _softmax_attend(scores.astype(F32), mask, dtype)
         attn = jnp.einsum("skgt,sktd->skgd", probs, v_layer).reshape(slots, cfg.q_size)
         x = _finish(lp, x, attn, cfg)

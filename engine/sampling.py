@@ -17,6 +17,8 @@ from jax import lax
 
 from engine.types import MAX_LOGPROBS, SamplingParams
 
+CANDIDATES = 64  # top-k / top-p thresholds within this many best tokens avoid a bisection
+
 
 class SamplingArrays(NamedTuple):
     """Per-row sampling parameters as arrays with a leading batch axis."""
@@ -96,18 +98,44 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     """Tokens inside each row's top-k and then top-p nucleus (the top token always is).
 
     top-k keeps values >= the k-th largest; top-p keeps, of those, the tokens whose
-    more probable predecessors hold less than top_p of the mass.
+    more probable predecessors hold less than top_p of the mass. A row whose
+    threshold lies among its CANDIDATES best tokens reads it off lax.top_k; other
+    rows bisect. The choice is per row, so a row's result never depends on its
+    batch (the bisection only runs when some row needs it).
     """
     vocab = scaled.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    cand = min(CANDIDATES, vocab)
     keys = _sortable(scaled)
-    kth = _bisect(keys, lambda above: jnp.sum(above, axis=-1) >= k)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    best, _ = lax.top_k(scaled, cand)
+    fast_k = (top_k <= 0) | (k <= cand)
+    kth_fast = jnp.where(
+        top_k > 0,
+        _sortable(jnp.take_along_axis(best, jnp.clip(k - 1, 0, cand - 1)[:, None], -1)[:, 0]),
+        jnp.min(keys, axis=-1),
+    )
+    kth = _per_row(fast_k, kth_fast, lambda: _bisect(keys, lambda up: jnp.sum(up, -1) >= k))
     keep = keys >= kth[:, None]
+
     probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
     prob_keys = _sortable(probs)
-    tau = _bisect(prob_keys, lambda above: jnp.sum(jnp.where(above, probs, 0), -1) >= top_p)
+    best_p, _ = lax.top_k(probs, cand)
+    before = jnp.cumsum(best_p, axis=-1) - best_p
+    inside = jnp.sum(before < top_p[:, None], axis=-1)
+    fast_p = (top_p >= 1.0) | (inside < cand)
+    tau_fast = _sortable(jnp.take_along_axis(best_p, (inside - 1)[:, None], -1)[:, 0])
+    tau = _per_row(
+        fast_p,
+        tau_fast,
+        lambda: _bisect(prob_keys, lambda up: jnp.sum(jnp.where(up, probs, 0), -1) >= top_p),
+    )
     nucleus = (prob_keys >= tau[:, None]) | (top_p >= 1.0)[:, None]
     return keep & nucleus
+
+
+def _per_row(fast: jax.Array, value: jax.Array, slow: Any) -> jax.Array:
+    """value where fast, else slow() -- computed only when some row needs it."""
+    return lax.cond(jnp.all(fast), lambda: value, lambda: jnp.where(fast, value, slow()))
 
 
 def _inverse_cdf(probs: jax.Array, uniform: jax.Array, block: int = 256) -> jax.Array:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -107,6 +107,18 @@ def _add_routes(
             )
         return model_card()
 
+    def streamed(events: AsyncIterator[bytes], exchange: Exchange) -> Response:
+        return sse_response(events, ping_interval=config.sse_ping_interval, cleanup=exchange.close)
+
+    async def whole(
+        request: Request, work: Awaitable[dict[str, Any]], exchange: Exchange
+    ) -> Response:
+        try:
+            result = await until_disconnect(request, work)
+        finally:
+            await exchange.close()
+        return JSONResponse(result)
+
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         backend = runtime.require_ready()
@@ -115,19 +127,12 @@ def _add_routes(
             response_id, body, backend.tokenizer, config, backend.limits, penalties_supported=True
         )
         exchange = Exchange(runtime, backend, plan, metrics, log_of(request))
-        shaper = completions.CompletionShaper(plan, backend.tokenizer, config.model_name)
-        shaper.id = response_id
+        shaper = completions.CompletionShaper(
+            plan, backend.tokenizer, config.model_name, response_id
+        )
         if plan.stream:
-            return sse_response(
-                completions.stream(exchange, shaper),
-                ping_interval=config.sse_ping_interval,
-                cleanup=exchange.close,
-            )
-        try:
-            result = await until_disconnect(request, completions.complete(exchange, shaper))
-        finally:
-            await exchange.close()
-        return JSONResponse(result)
+            return streamed(completions.stream(exchange, shaper), exchange)
+        return await whole(request, completions.complete(exchange, shaper), exchange)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -137,16 +142,7 @@ def _add_routes(
             response_id, body, backend.tokenizer, config, backend.limits, penalties_supported=True
         )
         exchange = Exchange(runtime, backend, plan, metrics, log_of(request))
-        shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name)
-        shaper.id = response_id
+        shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)
         if plan.stream:
-            return sse_response(
-                chat.stream(exchange, shaper),
-                ping_interval=config.sse_ping_interval,
-                cleanup=exchange.close,
-            )
-        try:
-            result = await until_disconnect(request, chat.complete(exchange, shaper))
-        finally:
-            await exchange.close()
-        return JSONResponse(result)
+            return streamed(chat.stream(exchange, shaper), exchange)
+        return await whole(request, chat.complete(exchange, shaper), exchange)

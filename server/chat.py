@@ -8,7 +8,6 @@ top_logprobs.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from server.params import (
     TokenizerLike,
     build_requests,
     check_common,
+    finite,
     sampling_params,
     stop_strings,
 )
@@ -98,7 +98,7 @@ def plan_chat(
 def _entry(tokenizer: TokenizerLike, token_id: int, logprob: float) -> dict[str, Any]:
     return {
         "token": tokenizer.token_text(token_id),
-        "logprob": logprob,
+        "logprob": finite(logprob),
         "bytes": list(tokenizer.token_bytes(token_id)),
     }
 
@@ -124,11 +124,13 @@ class ChatChoice:
 
 
 class ChatShaper:
-    def __init__(self, plan: GenerationPlan, tokenizer: TokenizerLike, model: str):
+    def __init__(
+        self, plan: GenerationPlan, tokenizer: TokenizerLike, model: str, response_id: str
+    ):
         self.plan = plan
         self.tokenizer = tokenizer
         self.model = model
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = response_id
         self.created = int(time.time())
         self.choices = {k: ChatChoice(index=k) for k in range(plan.n)}
 

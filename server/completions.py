@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import codecs
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ from engine.types import TokenLogprobs
 from server.errors import APIError
 from server.exchange import Exchange
 from server.generation import failure_error
-from server.params import GenerationPlan, PromptInput, TokenizerLike
+from server.params import GenerationPlan, PromptInput, TokenizerLike, finite
 from server.streaming import DONE, encode_event, error_event
 
 
@@ -49,9 +48,9 @@ class CompletionLogprobs:
             self.token_logprobs.append(None)
             self.top_logprobs.append(None)
         else:
-            self.token_logprobs.append(lp.logprob)
-            top = {tokenizer.token_text(t): v for t, v in lp.top[:top_n]}
-            top.setdefault(text, lp.logprob)
+            self.token_logprobs.append(finite(lp.logprob))
+            top = {tokenizer.token_text(t): finite(v) for t, v in lp.top[:top_n]}
+            top.setdefault(text, finite(lp.logprob))
             self.top_logprobs.append(top)
 
     def as_dict(self) -> dict[str, Any]:
@@ -97,11 +96,13 @@ class ChoiceState:
 class CompletionShaper:
     """Turns deltas into choices and chunks; pure apart from the tokenizer's lookups."""
 
-    def __init__(self, plan: GenerationPlan, tokenizer: TokenizerLike, model: str):
+    def __init__(
+        self, plan: GenerationPlan, tokenizer: TokenizerLike, model: str, response_id: str
+    ):
         self.plan = plan
         self.tokenizer = tokenizer
         self.model = model
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = response_id
         self.created = int(time.time())
         self.choices = {
             p * plan.n + k: ChoiceState(index=p * plan.n + k, prompt=prompt)

@@ -162,7 +162,7 @@ def parse_config(
         raw = getattr(args, name)
         source = "--" + name.replace("_", "-")
         if raw is None:
-            raw = environ.get(_env(name))
+            raw = environ.get(_env(name)) or None  # an empty variable counts as unset
             source = _env(name)
         if raw is None:
             continue
@@ -172,7 +172,7 @@ def parse_config(
             raise ValueError(f"{source}: {exc}") from exc
     if "cache_dir" not in values or values["cache_dir"] is None:
         values["cache_dir"] = _default_cache_dir(environ)
-    if "api_key" in values and values["api_key"] == "":
+    if values.get("api_key") == "":
         values["api_key"] = None
     known = {f.name for f in fields(ServerConfig)}
     return ServerConfig(**{k: v for k, v in values.items() if k in known})

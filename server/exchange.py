@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 
 from engine.request import RequestFailed, RequestStream
+from server.errors import APIError
 from server.generation import DrainExpired, PromptDelta, feed, submit_all
 from server.lifecycle import Backend, Runtime, State
 from server.metrics import EngineMetrics
@@ -108,17 +109,24 @@ class Exchange:
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run `work`, cancelling it when the client disconnects first (non-streaming)."""
     task = asyncio.ensure_future(work)
+    disconnected = False
 
     async def watch() -> None:
+        nonlocal disconnected
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                disconnected = True
                 task.cancel()
                 return
 
     watcher = asyncio.create_task(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        if not disconnected:
+            raise  # cancelled from outside
+        raise APIError(499, "client closed the request", code="client_disconnected") from None
     finally:
         watcher.cancel()
         with contextlib.suppress(BaseException):
@@ -132,6 +140,3 @@ def log_of(request: Request) -> RequestLog:
         log = RequestLog()
         request.state.generation_log = log
     return log
-
-
-Shaper = Callable[[Exchange], Any]

@@ -7,6 +7,7 @@ context length, n, stop strings, logprobs, token ids. Each failure is a 400
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,6 +19,12 @@ from server.errors import APIError, bad_request
 from server.protocol import CompletionRequest, SamplingFields
 
 SEED_RANGE = 2**63
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
+
+
+def finite(logprob: float) -> float:
+    """A logprob JSON can carry: -inf (and NaN) become NEG_INF_LOGPROB."""
+    return logprob if math.isfinite(logprob) else NEG_INF_LOGPROB
 
 
 class TokenizerLike(Protocol):

@@ -154,3 +154,47 @@ def test_logprobs_are_of_raw_logits_sorted_and_max_wide(logits):
     np.testing.assert_array_equal(out.top_ids[0], np.argsort(-raw)[:MAX_LOGPROBS])
     np.testing.assert_allclose(out.top_logprobs[0], np.sort(raw)[::-1][:MAX_LOGPROBS], atol=1e-5)
     np.testing.assert_allclose(out.logprob, raw[out.token], atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, 2**32 - 1])
+def test_seed_key_is_prng_key_of_the_seed(seed):
+    np.testing.assert_array_equal(seed_key(seed), np.asarray(jax.random.PRNGKey(seed)))
+
+
+def reference_mask(row: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Sort-based top-k then top-p, in float64."""
+    order = np.argsort(-row, kind="stable")
+    keep = np.zeros(row.shape, bool)
+    keep[order[: top_k if top_k > 0 else len(row)]] = True
+    masked = np.where(keep, row.astype(np.float64), -np.inf)
+    probs = np.exp(masked - masked.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs[order]) - probs[order]
+    nucleus = np.zeros(row.shape, bool)
+    nucleus[order[before < top_p]] = True
+    return keep & nucleus
+
+
+def test_filters_exact_on_both_the_fast_and_the_bisection_path():
+    """k beyond the candidate window and wide nuclei take the bisection; each row alone agrees."""
+    from engine.sampling import CANDIDATES, _filter_mask
+
+    rng = np.random.default_rng(5)
+    vocab = 512
+    rows = rng.normal(size=(6, vocab)).astype(np.float32) * np.array(
+        [[3], [0.1], [2], [0.05], [1], [4]]
+    )
+    top_k = np.array([5, 0, 200, 0, CANDIDATES + 30, 0], np.int32)
+    top_p = np.array([1.0, 0.9, 1.0, 0.5, 0.8, 0.3], np.float32)
+    run = jax.jit(_filter_mask)
+    batch_mask = np.asarray(run(jnp.asarray(rows), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for i in range(len(rows)):
+        want = reference_mask(rows[i], int(top_k[i]), float(top_p[i]))
+        assert (batch_mask[i] == want).all(), i
+        alone = run(
+            jnp.asarray(rows[i : i + 1]),
+            jnp.asarray(top_k[i : i + 1]),
+            jnp.asarray(top_p[i : i + 1]),
+        )
+        assert (np.asarray(alone)[0] == batch_mask[i]).all(), i
+    assert batch_mask[1].sum() > CANDIDATES and batch_mask[3].sum() > CANDIDATES  # slow path used

@@ -7,26 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ServerConfig
-from tests.server.harness import LiveServer, serve_in_thread
-
-MODEL_NAME = "tiny-test"
-SLOTS = 4
-MAX_MODEL_LEN = 128
-
-
-def make_config(model: Path, **overrides: object) -> ServerConfig:
-    base = {
-        "model": model,
-        "served_model_name": MODEL_NAME,
-        "max_slots": SLOTS,
-        "max_model_len": MAX_MODEL_LEN,
-        "prefill_buckets": (32, 64),
-        "max_queued_requests": 32,
-        "sse_ping_interval": 0.5,
-    }
-    base.update(overrides)
-    return ServerConfig(**base)  # type: ignore[arg-type]
+from tests.server.harness import LiveServer, make_config, serve_in_thread
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,24 @@ from server.lifecycle import Backend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+MODEL_NAME = "tiny-test"
+SLOTS = 4
+MAX_MODEL_LEN = 128
+
+
+def make_config(model: Path, **overrides: object) -> ServerConfig:
+    base = {
+        "model": model,
+        "served_model_name": MODEL_NAME,
+        "max_slots": SLOTS,
+        "max_model_len": MAX_MODEL_LEN,
+        "prefill_buckets": (32, 64),
+        "max_queued_requests": 32,
+        "sse_ping_interval": 0.5,
+    }
+    base.update(overrides)
+    return ServerConfig(**base)  # type: ignore[arg-type]
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -157,3 +175,12 @@ def sse_events(raw: str) -> list[str]:
             events.append(data[0])
     assert raw.endswith("\n\n"), "the stream must end with a blank line"
     return events
+
+
+def pick_stop(text: str, length: int) -> str:
+    """A stop string from the middle of `text`: no U+FFFD, not blank, so a match is plain."""
+    for start in [*range(len(text) // 2, len(text) - length), *range(1, len(text) // 2)]:
+        window = text[start : start + length]
+        if len(window) == length and "\ufffd" not in window and window.strip():
+            return window
+    raise AssertionError(f"no usable stop string of {length} characters in {text!r}")

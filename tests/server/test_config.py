@@ -91,3 +91,10 @@ def test_bad_values_raise_value_error_naming_them(
 ) -> None:
     with pytest.raises(ValueError, match=needle):
         parse_config(argv, environ=env)
+
+
+def test_empty_variables_count_as_unset() -> None:
+    """`docker run -e LLM_SERVER_MODEL=` serves the demo model; empty numbers are defaults."""
+    env = {"LLM_SERVER_MODEL": "", "LLM_SERVER_PORT": "", "LLM_SERVER_API_KEY": ""}
+    config = parse_config([], environ=env)
+    assert (config.model, config.port, config.api_key) == (None, 8000, None)

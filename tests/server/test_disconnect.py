@@ -7,8 +7,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import SLOTS
-from tests.server.harness import LiveServer
+from tests.server.harness import SLOTS, LiveServer
 
 
 def finished_samples(live: LiveServer) -> float:

@@ -21,8 +21,7 @@ from engine.fake import FakeDelays, FakeEngine, FakeTokenizer
 from engine.orchestrator import Orchestrator, OrchestratorConfig
 from server.lifecycle import Backend, Runtime
 from server.params import ModelLimits
-from tests.server.conftest import make_config
-from tests.server.harness import LiveServer, serve_in_thread, sse_events, wait_ready
+from tests.server.harness import LiveServer, make_config, serve_in_thread, sse_events, wait_ready
 
 
 class TextTokenizer(FakeTokenizer):
@@ -174,3 +173,14 @@ def test_not_ready_while_loading(tmp_path: Path) -> None:
         release.set()
         wait_ready(server.base_url, 10)
         assert httpx.post(server.v1 + "/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_non_streaming_client_that_hangs_up_frees_its_slot(slow_server: LiveServer) -> None:
+    runtime: Runtime = slow_server.app.state.runtime
+    body = {"prompt": "long", "max_tokens": 200, "ignore_eos": True}  # 4 s of fake steps
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow_server.v1 + "/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and (runtime.inflight or runtime.stats().slots_in_use):
+        time.sleep(0.02)
+    assert runtime.inflight == 0 and runtime.stats().slots_in_use == 0

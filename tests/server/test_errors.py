@@ -7,8 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN
-from tests.server.harness import LiveServer
+from tests.server.harness import MAX_MODEL_LEN, LiveServer
 
 OK_PROMPT = {"prompt": "Hi", "max_tokens": 2}
 OK_CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

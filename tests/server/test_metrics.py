@@ -5,8 +5,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL_NAME
-from tests.server.harness import LiveServer
+from tests.server.harness import MODEL_NAME, LiveServer
 
 
 def scrape(live: LiveServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

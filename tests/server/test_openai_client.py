@@ -7,8 +7,7 @@ import math
 import openai
 import pytest
 
-from tests.server.conftest import MODEL_NAME
-from tests.server.harness import LiveServer
+from tests.server.harness import MODEL_NAME, LiveServer, pick_stop
 
 PROMPT = "The quick brown fox"
 
@@ -126,8 +125,7 @@ def test_stop_string_ends_the_completion(client: openai.OpenAI) -> None:
         model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
         extra_body={"ignore_eos": True},
     ).choices[0].text  # fmt: skip
-    stop = full[len(full) // 2 : len(full) // 2 + 2]
-    assert stop.strip(), f"need a visible stop string in {full!r}"
+    stop = pick_stop(full, 2)
     out = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "@@@"],
         extra_body={"ignore_eos": True},
@@ -192,3 +190,43 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="x", max_tokens=1)
     assert info.value.body["code"] == "model_not_found"
+
+
+def test_chat_n_stream_with_usage(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Two of them"}]}],
+            n=2,
+            max_tokens=4,
+            seed=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 8
+    for index in (0, 1):
+        mine = [c.choices[0] for c in body if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert [c.finish_reason for c in mine][-1] == "length"
+        assert all(c.finish_reason is None for c in mine[:-1])
+
+
+def test_sampling_extras_reach_the_engine(client: openai.OpenAI) -> None:
+    def text(**kwargs: object) -> str:
+        out = client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=16,
+            extra_body={"ignore_eos": True, **kwargs.pop("extra", {})},  # type: ignore[dict-item]
+            **kwargs,  # type: ignore[arg-type]
+        )
+        return out.choices[0].text
+
+    greedy = text(temperature=0)
+    # top_k=1 at full temperature is greedy again
+    assert text(temperature=1.0, seed=11, extra={"top_k": 1}) == greedy
+    # a strong frequency penalty changes a greedy run of a tiny model that repeats itself
+    assert text(temperature=0, frequency_penalty=2.0) != greedy

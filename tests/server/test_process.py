@@ -17,8 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, SLOTS
-from tests.server.harness import REPO_ROOT, free_port, serve_process, sse_events
+from tests.server.harness import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    REPO_ROOT,
+    SLOTS,
+    free_port,
+    serve_process,
+    sse_events,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -130,9 +137,14 @@ def _check_sigterm_drain(base: str, proc: subprocess.Popen) -> None:
             tasks = [asyncio.create_task(one()) for _ in range(streams)]
             await started.wait()
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.05)
-            refused = await client.post(base + "/v1/completions", json=body)
-            return await asyncio.gather(*tasks), refused.status_code
+            status = 0
+            for _ in range(20):  # the signal lands within moments; from then on: 503
+                await asyncio.sleep(0.02)
+                short = {**body, "max_tokens": 1}
+                status = (await client.post(base + "/v1/completions", json=short)).status_code
+                if status == 503:
+                    break
+            return await asyncio.gather(*tasks), status
 
     raws, refused_status = asyncio.run(run())
     assert refused_status == 503
@@ -181,7 +193,8 @@ def test_engine_fault_fails_requests_and_exits_nonzero(tmp_path: Path) -> None:
         whole, raw, elapsed = asyncio.run(run())
         assert elapsed < 5
         assert whole.status_code == 503
-        assert whole.json()["error"]["code"] == "engine_failure"
+        # failed in flight, or refused when it arrived after the fault: an error either way
+        assert whole.json()["error"]["code"] in ("engine_failure", "unavailable")
         events = sse_events(raw.decode("utf-8"))
         assert events[-1] == "[DONE]"
         assert "error" in json.loads(events[-2])

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from server.streaming import DONE, encode_event, sse_response
-from tests.server.harness import LiveServer, free_port, sse_events
+from tests.server.harness import LiveServer, free_port, pick_stop, sse_events
 
 UNICODE_PROMPTS = [
     "Emoji 🙂🚀 and more 👩‍👩‍👧",
@@ -171,9 +171,7 @@ def test_stop_string_never_leaks_into_a_chunk(live: LiveServer) -> None:
     full = httpx.post(live.v1 + "/completions", json=base, timeout=60).json()
     text = full["choices"][0]["text"]
     # a 3-character stop string taken from the middle, so earlier chunks could hold its prefix
-    start = len(text) // 2
-    stop = text[start : start + 3]
-    assert len(stop) == 3
+    stop = pick_stop(text, 3)
     _, raw = stream_raw(live, "/completions", {**base, "stop": stop, "stream": True})
     chunks = parse(raw)
     deltas = [c["choices"][0]["text"] for c in chunks]
