@@ -200,8 +200,12 @@ class Engine:
         if length == 0:
             raise ValueError("the prompt must have at least one token")
         bucket = self.bucket_for(length)
+        ids = np.asarray(token_ids, np.int64)
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+            raise ValueError(f"token id {bad} is out of the vocabulary (0..{self.vocab_size - 1})")
         padded = np.zeros((bucket,), np.int32)
-        padded[:length] = np.asarray(token_ids, np.int32)
+        padded[:length] = ids
         out = self._prefill(
             self.params,
             padded,

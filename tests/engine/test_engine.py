@@ -54,6 +54,8 @@ def test_unseeded_or_empty_request_is_refused(small_engine):
         small_engine.prefill([1, 2, 3], SamplingParams())
     with pytest.raises(ValueError, match="at least one token"):
         small_engine.prefill([], GREEDY)
+    with pytest.raises(ValueError, match="token id 512 is out of the vocabulary"):
+        small_engine.prefill([1, 512, 3], GREEDY)
     with pytest.raises(ValueError, match="slot"):
         small_engine.insert(small_engine.prefill([1], GREEDY), small_engine.init_state(), 4)
 
