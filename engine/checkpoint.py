@@ -3,8 +3,8 @@
 Owns: the mapping from Hugging Face tensor names to the engine's layout. Each
 layer keeps its own arrays (a list, not a stacked axis: slicing a stacked
 weight inside the step copies it); q/k/v and gate/up are fused so each layer
-does fewer, larger matmuls. Weights stay in the checkpoint's (out, in)
-layout: the model contracts their last axes.
+does fewer, larger matmuls. Weights keep the checkpoint's (out, in) layout
+here; `engine.model.matmul_layout` turns them to (in, out) once at load.
 """
 
 from __future__ import annotations

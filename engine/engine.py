@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 from engine.checkpoint import load_params
 from engine.config import load_model_config
 from engine.mesh import default_mesh, replicated
-from engine.model import prefill_forward
+from engine.model import matmul_layout, prefill_forward
 from engine.sampling import SamplingArrays, host_arrays, sample, top_logprobs
 from engine.state import DecodeState, decode_step, empty_state, free_slot, insert_prefix
 from engine.types import (
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_MAX_MODEL_LEN = 4096
 MIN_BUCKET = 16
+ATTENTION_CHUNKS = 8
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,16 @@ def default_buckets(max_prefill_len: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+def attention_chunk(max_model_len: int) -> int:
+    """Positions per KV-cache chunk: a power of two giving about ATTENTION_CHUNKS chunks.
+
+    A decode step reads the chunks up to the furthest busy slot; more chunks
+    skip more dead positions but add small ops and switch branches to compile.
+    """
+    target = max(MIN_BUCKET, math.ceil(max_model_len / ATTENTION_CHUNKS))
+    return 1 << (target - 1).bit_length()
+
+
 def resolve_shapes(
     config: EngineConfig, max_position_embeddings: int
 ) -> tuple[int, tuple[int, ...]]:
@@ -111,7 +123,7 @@ class Engine:
         self.dtype = DTYPES[config.dtype]
         self.mesh = mesh if mesh is not None else default_mesh()
         self._sharding = replicated(self.mesh)
-        host_params = load_params(config.model_path, cfg, config.dtype)
+        host_params = matmul_layout(load_params(config.model_path, cfg, config.dtype))
         self.params = jax.device_put(host_params, self._sharding)
         self._inv_freq = jax.device_put(cfg.rope_inv_freq(), self._sharding)
         eos = np.zeros((cfg.vocab_size,), bool)
@@ -122,12 +134,22 @@ class Engine:
         )
         self._resample = jax.jit(functools.partial(self._sample_first, eos_mask=self._eos_mask))
         self._init_state = jax.jit(
-            functools.partial(empty_state, cfg, self.max_slots, self.max_model_len, self.dtype),
+            functools.partial(
+                empty_state,
+                cfg,
+                self.max_slots,
+                self.max_model_len,
+                self.dtype,
+                attention_chunk(self.max_model_len),
+            ),
             out_shardings=self._sharding,
         )
         self._insert = jax.jit(insert_prefix, donate_argnums=(0,))
         self._free = jax.jit(free_slot, donate_argnums=(0,))
-        self._generate = jax.jit(functools.partial(decode_step, cfg=cfg), donate_argnums=(1,))
+        self._generate = jax.jit(
+            functools.partial(decode_step, cfg=cfg, max_len=self.max_model_len),
+            donate_argnums=(1,),
+        )
         logger.info(
             "engine ready: %s, %d slots, max_model_len %d, buckets %s, %s",
             cfg.architecture,

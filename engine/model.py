@@ -5,34 +5,59 @@ token per slot (decode). Covers Llama (default / linear / llama3 RoPE),
 Mistral (sliding window) and Qwen2 (q/k/v bias): grouped-query attention,
 RMSNorm, SwiGLU, tied or untied embeddings.
 
-Layout: weights (out, in), contracted on their last axes, one set of arrays
-per layer (the layer loop is unrolled, so no weight is ever sliced or
-copied); the KV cache is one array per layer for keys, (slots, kv_heads,
-head_dim, length), and one for values, (slots, kv_heads, length, head_dim):
-per kv head a contiguous block with the sequence axis next to head_dim, laid
-out so both attention products are plain matmuls (q @ K^T reads K^T rows
-directly; measured ~2x faster than keys as (length, head_dim) on CPU). The
-decode step writes its new K/V into the layer's buffers in place.
+Layout: weights (in, out), turned so by `matmul_layout` from the checkpoint's
+(out, in) once at load, one set of arrays per layer (the layer loop is
+unrolled, so no weight is ever sliced or copied). With 4-16 activation rows
+on the CPU backend, `x @ W` with W (in, out) ran the 100M model's decode
+matmuls ~20% faster than contracting the last axes of (out, in) weights, and
+prefill no slower (bench/engine_bench.py).
+
+Decode cache: per layer a tuple of equal chunks along positions, keys as
+(slots, kv_heads, head_dim, chunk) and values as (slots, kv_heads, chunk,
+head_dim): per kv head a contiguous block with the sequence axis next to
+head_dim, so both attention products are plain batched matmuls (q @ K^T
+reads K^T rows directly). The step writes its new K/V in place and reads
+only the chunks up to the furthest busy slot's position, chosen on the
+device by a switch over whole chunk arrays: any slice of one big cache
+buffer (static, dynamic, or per block in a loop) was materialized by XLA's
+CPU backend at a few GB/s and cost more than the positions it skipped.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from engine.config import ModelConfig
 
 Params = dict[str, Any]
 F32 = jnp.float32
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def matmul_layout(params: Params) -> Params:
+    """Host params with every matrix as (in, out) and an (hidden, vocab) `lm_head`.
+
+    A tied checkpoint gets its own transposed head: the embedding stays
+    (vocab, hidden) for the token lookup, at the cost of a second vocab x hidden copy.
+    """
+    layers = [
+        {name: np.ascontiguousarray(w.T) if name in MATRICES else w for name, w in lp.items()}
+        for lp in params["layers"]
+    ]
+    head = params["lm_head"] if "lm_head" in params else params["embed"]
+    return params | {"layers": layers, "lm_head": np.ascontiguousarray(head.T)}
 
 
 def linear(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
-    """x (..., in) times w (out, in) contracted on the last axes -> (..., out)."""
+    """x (..., in) times w (in, out) -> (..., out)."""
     return lax.dot_general(
-        x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=preferred
+        x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=preferred
     )
 
 
@@ -73,26 +98,88 @@ def _qkv(
 
 
 def _write_position(
-    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+    k_chunks: tuple[jax.Array, ...],
+    v_chunks: tuple[jax.Array, ...],
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Each slot's new key/value column at its position, in place.
 
-    A loop of dynamic_update_slice, one per slot, which XLA keeps in place. With
-    one slot a scatter was rewritten into fusions that copy the whole layer
-    cache, and the step ran ~2x slower; with 16 slots both forms cost the same.
+    One scatter per chunk; a slot whose position lies in another chunk gets an
+    out-of-range column there, which the scatter drops.
     """
+    size = k_chunks[0].shape[-1]
+    slots = jnp.arange(k.shape[0])
+    new_k, new_v = [], []
+    for i, (kc, vc) in enumerate(zip(k_chunks, v_chunks, strict=True)):
+        column = jnp.where(positions // size == i, positions % size, size)
+        new_k.append(kc.at[slots, :, :, column].set(k.astype(kc.dtype), mode="drop"))
+        new_v.append(vc.at[slots, :, column, :].set(v.astype(vc.dtype), mode="drop"))
+    return tuple(new_k), tuple(new_v)
 
-    def write(s: jax.Array, caches: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        kc, vc = caches
-        kc = lax.dynamic_update_slice(
-            kc, k[s][None, :, :, None].astype(kc.dtype), (s, 0, 0, positions[s])
-        )
-        vc = lax.dynamic_update_slice(
-            vc, v[s][None, :, None, :].astype(vc.dtype), (s, 0, positions[s], 0)
-        )
-        return kc, vc
 
-    return lax.fori_loop(0, k.shape[0], write, (k_cache, v_cache))
+def _attend_chunks(
+    qg: jax.Array,
+    k_chunks: tuple[jax.Array, ...],
+    v_chunks: tuple[jax.Array, ...],
+    positions: jax.Array,
+    cfg: ModelConfig,
+) -> jax.Array:
+    """Attention of qg (slots, kv_heads, groups, head_dim) over these cache chunks.
+
+    Chunk by chunk and in chunk order: a chunk a slot cannot see has scores
+    -inf, so it adds exactly 0 to the sums and leaves the max alone; a slot's
+    result is the same bits whatever number of chunks is read.
+    """
+    size = k_chunks[0].shape[-1]
+    dtype = qg.dtype
+    scale = jnp.asarray(cfg.head_dim**-0.5, dtype)
+    scores = []
+    for i, kc in enumerate(k_chunks):
+        s = jnp.einsum("skgd,skdt->skgt", qg, kc) * scale
+        k_pos = (i * size + jnp.arange(size))[None, None, None]
+        scores.append(jnp.where(_visible(positions[:, None, None, None], k_pos, cfg), s, -jnp.inf))
+    top = functools.reduce(jnp.maximum, [jnp.max(s.astype(F32), axis=-1) for s in scores])
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a slot that sees nothing here gets 0s
+    total = jnp.zeros(top.shape, F32)
+    out = jnp.zeros(qg.shape, F32)
+    for s, vc in zip(scores, v_chunks, strict=True):
+        p = jnp.exp(s.astype(F32) - top[..., None])
+        total = total + jnp.sum(p, axis=-1)
+        out = out + jnp.einsum("skgt,sktd->skgd", p.astype(dtype), vc, preferred_element_type=F32)
+    return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
+
+
+def _attend_live(
+    qg: jax.Array,
+    k_chunks: tuple[jax.Array, ...],
+    v_chunks: tuple[jax.Array, ...],
+    positions: jax.Array,
+    cfg: ModelConfig,
+) -> jax.Array:
+    """Attention over only the chunks some slot can see, picked on the device.
+
+    One branch per live-chunk count; the branch reads whole chunk arrays, so
+    nothing is sliced or copied (XLA's CPU backend materializes any slice of
+    the cache at a few GB/s, more than the skipped positions cost).
+    """
+    size = k_chunks[0].shape[-1]
+    live = jnp.minimum(jnp.max(positions) // size, len(k_chunks) - 1)
+    branches = [functools.partial(_attend_n, n=n, cfg=cfg) for n in range(1, len(k_chunks) + 1)]
+    return lax.switch(live, branches, qg, k_chunks, v_chunks, positions)
+
+
+def _attend_n(
+    qg: jax.Array,
+    k_chunks: tuple[jax.Array, ...],
+    v_chunks: tuple[jax.Array, ...],
+    positions: jax.Array,
+    *,
+    n: int,
+    cfg: ModelConfig,
+) -> jax.Array:
+    return _attend_chunks(qg, k_chunks[:n], v_chunks[:n], positions, cfg)
 
 
 def _finish(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -123,7 +210,7 @@ def _softmax_attend(scores: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array
 def logits_of(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and vocabulary projection, float32 logits."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    head = params["lm_head"]
     return linear(x, head, preferred=F32).astype(F32)
 
 
@@ -170,33 +257,31 @@ def decode_forward(
     params: Params,
     tokens: jax.Array,
     positions: jax.Array,
-    k_cache: tuple[jax.Array, ...],
-    v_cache: tuple[jax.Array, ...],
+    k_cache: tuple[tuple[jax.Array, ...], ...],
+    v_cache: tuple[tuple[jax.Array, ...], ...],
     inv_freq: jax.Array,
     cfg: ModelConfig,
-) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], ...], tuple[tuple[jax.Array, ...], ...]]:
     """One token per slot at its position -> (logits (slots, vocab), k_cache, v_cache).
 
-    Each slot's new K/V is written at its position in its layer's buffers;
-    attention reads positions <= position. Callers keep positions < cache length.
+    The cache is per layer a tuple of chunks, keys (slots, kv_heads, head_dim,
+    chunk) and values (slots, kv_heads, chunk, head_dim), chunk i holding
+    positions i*chunk... Each slot's new K/V is written at its position;
+    attention reads positions <= position, in the chunks up to the furthest
+    slot's. Callers keep positions < the cache's capacity.
     """
     slots = tokens.shape[0]
-    max_len = v_cache[0].shape[2]
     dtype = params["embed"].dtype
     x = params["embed"][tokens]
     cos, sin = rope_tables(positions, inv_freq, dtype)
-    mask = _visible(positions[:, None, None, None], jnp.arange(max_len)[None, None, None], cfg)
     groups = cfg.num_heads // cfg.num_kv_heads
-    scale = jnp.asarray(cfg.head_dim**-0.5, dtype)
 
     new_k, new_v = [], []
     for lp, k_layer, v_layer in zip(params["layers"], k_cache, v_cache, strict=True):
         q, k, v = _qkv(lp, x, cfg, cos, sin)
         k_layer, v_layer = _write_position(k_layer, v_layer, k, v, positions)
         qg = q.reshape(slots, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("skgd,skdt->skgt", qg, k_layer) * scale
-        probs = _softmax_attend(scores.astype(F32), mask, dtype)
-        attn = jnp.einsum("skgt,sktd->skgd", probs, v_layer).reshape(slots, cfg.q_size)
+        attn = _attend_live(qg, k_layer, v_layer, positions, cfg).reshape(slots, cfg.q_size)
         x = _finish(lp, x, attn, cfg)
         new_k.append(k_layer)
         new_v.append(v_layer)

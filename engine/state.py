@@ -8,10 +8,15 @@ once (insert once per prefill bucket).
 Invariant: for a busy slot, cache positions < lengths[slot] hold the KV of
 every token so far, and tokens[slot] is the last sampled token, whose KV is
 written by the next step at position lengths[slot].
+
+The cache is split along positions into equal chunks, one array each, so a
+step reads only the chunks some busy slot has reached (see
+engine.model._attend_live) without slicing a buffer.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -26,8 +31,8 @@ from engine.sampling import Sampled, SamplingArrays, sample
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DecodeState:
-    k_cache: tuple[jax.Array, ...]  # per layer: (slots, kv_heads, head_dim, max_len)
-    v_cache: tuple[jax.Array, ...]  # per layer: (slots, kv_heads, max_len, head_dim)
+    k_cache: tuple[tuple[jax.Array, ...], ...]  # per layer, chunk: (slots, kv, head_dim, chunk)
+    v_cache: tuple[tuple[jax.Array, ...], ...]  # per layer, chunk: (slots, kv, chunk, head_dim)
     lengths: jax.Array  # (slots,) int32: tokens whose KV is cached
     tokens: jax.Array  # (slots,) int32: last sampled token, fed next
     generated: jax.Array  # (slots,) int32: tokens sampled so far (prefill's included)
@@ -36,14 +41,22 @@ class DecodeState:
     active: jax.Array  # (slots,) bool
 
 
-def empty_state(cfg: ModelConfig, slots: int, max_len: int, dtype: jnp.dtype) -> DecodeState:
-    k_shape = (slots, cfg.num_kv_heads, cfg.head_dim, max_len)
-    v_shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+def empty_state(
+    cfg: ModelConfig, slots: int, max_len: int, dtype: jnp.dtype, chunk: int
+) -> DecodeState:
+    """All slots idle; room for max_len positions in chunks of `chunk` (the last may overhang)."""
+    chunks = math.ceil(max_len / chunk)
+    k_shape = (slots, cfg.num_kv_heads, cfg.head_dim, chunk)
+    v_shape = (slots, cfg.num_kv_heads, chunk, cfg.head_dim)
+
+    def layer(shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
+        return tuple(jnp.zeros(shape, dtype) for _ in range(chunks))
+
     zeros_i = jnp.zeros((slots,), jnp.int32)
     zeros_f = jnp.zeros((slots,), jnp.float32)
     return DecodeState(
-        k_cache=tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)),
-        v_cache=tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)),
+        k_cache=tuple(layer(k_shape) for _ in range(cfg.num_layers)),
+        v_cache=tuple(layer(v_shape) for _ in range(cfg.num_layers)),
         lengths=zeros_i,
         tokens=zeros_i,
         generated=zeros_i,
@@ -73,12 +86,22 @@ def insert_prefix(
     """Put a prefilled prompt (per layer k: (kv_heads, head_dim, bucket), v: (kv_heads,
     bucket, head_dim)) into positions 0..bucket-1 of `slot`."""
     start = (slot, 0, 0, 0)
+    size = state.v_cache[0][0].shape[2]
 
-    def put(cache: jax.Array, prompt: jax.Array) -> jax.Array:
-        return lax.dynamic_update_slice(cache, prompt[None].astype(cache.dtype), start)
+    def put(chunks: tuple[jax.Array, ...], prompt: jax.Array, axis: int) -> tuple[jax.Array, ...]:
+        bucket = prompt.shape[axis]
+        pieces = [
+            lax.slice_in_dim(prompt, i * size, min(bucket, (i + 1) * size), axis=axis)
+            for i in range(math.ceil(bucket / size))
+        ]
+        written = tuple(
+            lax.dynamic_update_slice(c, piece[None].astype(c.dtype), start)
+            for c, piece in zip(chunks, pieces, strict=False)
+        )
+        return written + chunks[len(pieces) :]
 
-    k_cache = tuple(put(c, p) for c, p in zip(state.k_cache, k, strict=True))
-    v_cache = tuple(put(c, p) for c, p in zip(state.v_cache, v, strict=True))
+    k_cache = tuple(put(c, p, 2) for c, p in zip(state.k_cache, k, strict=True))
+    v_cache = tuple(put(c, p, 1) for c, p in zip(state.v_cache, v, strict=True))
     vocab = state.counts.shape[1]
     first_count = (jnp.arange(vocab) == token).astype(jnp.int32)
     return DecodeState(
@@ -108,14 +131,15 @@ def decode_step(
     inv_freq: jax.Array,
     eos_mask: jax.Array,
     cfg: ModelConfig,
+    max_len: int,
 ) -> tuple[DecodeState, Sampled, jax.Array, jax.Array]:
     """Feed every slot's last token, sample the next -> (state, sampled, active, logits).
 
     Idle slots compute too (the batch shape is fixed) but their length, token
-    and counters stay put. A slot whose cache is full becomes idle.
+    and counters stay put; they sit at position 0, so they never make the
+    step read more of the cache. A slot that reaches max_len becomes idle.
     """
-    max_len = state.v_cache[0].shape[2]
-    positions = jnp.minimum(state.lengths, max_len - 1)
+    positions = jnp.where(state.active, jnp.minimum(state.lengths, max_len - 1), 0)
     logits, k_cache, v_cache = decode_forward(
         params, state.tokens, positions, state.k_cache, state.v_cache, inv_freq, cfg
     )

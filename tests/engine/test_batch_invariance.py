@@ -63,3 +63,26 @@ def test_tokens_same_alone_and_in_a_full_batch(small_engine, sampling):
     if sampling.temperature > 0:
         other_seed = run_alone(small_engine, SamplingParams(temperature=1.0, seed=4321))
         assert other_seed != alone  # the seed really drives the draws
+
+
+def test_a_deep_neighbour_changes_no_bit_of_a_short_request(small_engine):
+    """A slot near the end of the cache makes each step read every cache chunk; a short
+    request in another slot, which alone reads only the first chunk, gets the same bits."""
+    engine = small_engine
+    greedy = SamplingParams(temperature=0.0, seed=0)
+    chunk = engine.init_state().v_cache[0][0].shape[2]
+    deep = list(range(1, engine.max_prompt_len - 2))
+    assert len(TARGET) + 3 < chunk and len(deep) // chunk == len(engine.init_state().k_cache[0]) - 1
+
+    def run(with_deep: bool) -> list[np.ndarray]:
+        state = engine.insert(engine.prefill(TARGET, greedy), engine.init_state(), 0)
+        if with_deep:
+            state = engine.insert(engine.prefill(deep, greedy), state, 3)
+        rows = []
+        for _ in range(3):
+            state, _, logits = engine.generate_with_logits(state)
+            rows.append(np.asarray(logits[0]))
+        return rows
+
+    for alone, busy in zip(run(with_deep=False), run(with_deep=True), strict=True):
+        np.testing.assert_array_equal(alone, busy)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.engine import Engine, EngineConfig, default_buckets
+from engine.engine import Engine, EngineConfig, attention_chunk, default_buckets
 from engine.types import MAX_LOGPROBS, PromptTooLongError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -22,6 +22,14 @@ def test_default_buckets_end_at_the_max_prefill_length():
     assert default_buckets(100) == (16, 32, 64, 100)
     assert default_buckets(64) == (16, 32, 64)
     assert default_buckets(8) == (8,)
+
+
+def test_cache_chunks_are_powers_of_two_covering_max_model_len(small_engine):
+    assert [attention_chunk(n) for n in (8, 64, 100, 1024, 4096)] == [16, 16, 16, 128, 512]
+    state = small_engine.init_state()
+    assert len(state.k_cache[0]) == 4
+    assert state.k_cache[0][0].shape == (4, 2, 16, 16)  # slots, kv heads, head_dim, chunk
+    assert state.v_cache[0][3].shape == (4, 2, 16, 16)
 
 
 def test_config_validation(tiny_checkpoint_of):

@@ -49,6 +49,24 @@ def test_no_compilation_after_warmup(small_engine, compile_events):
     assert {name: f._cache_size() for name, f in jitted(engine).items()} == sizes_before
 
 
+def test_a_long_decode_across_cache_chunks_compiles_nothing(small_engine, compile_events):
+    """The step reads more cache chunks as a slot grows; that choice is made on the device."""
+    engine = small_engine
+    sizes_before = {name: f._cache_size() for name, f in jitted(engine).items()}
+    state = engine.init_state()
+    assert len(state.k_cache[0]) > 2  # the decode below crosses chunk boundaries
+    state = engine.insert(engine.prefill([5], SamplingParams(seed=1)), state, 2)
+    state = engine.insert(engine.prefill([7, 8], SamplingParams(seed=2)), state, 0)
+    active = []
+    for _ in range(engine.max_model_len):
+        state, out = engine.generate(state)
+        active.append(bool(out.active[2]))
+    jax.block_until_ready(out.tokens)
+    assert active.count(True) == engine.max_model_len - 1  # ran to the end of the cache
+    assert compile_events == []
+    assert {name: f._cache_size() for name, f in jitted(engine).items()} == sizes_before
+
+
 def test_the_counter_sees_a_compilation(small_engine, compile_events):
     """The check above can fail: a new shape is noticed."""
     jax.jit(lambda x: x * 3)(jax.numpy.ones((3, 5, 7)))
