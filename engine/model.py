@@ -26,6 +26,7 @@ CPU backend at a few GB/s and cost more than the positions it skipped.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -55,10 +56,29 @@ def matmul_layout(params: Params) -> Params:
 
 
 def linear(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
-    """x (..., in) times w (in, out) -> (..., out)."""
-    return lax.dot_general(
-        x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=preferred
-    )
+    """x (..., in) times w (in, out) -> (..., out), in `preferred` dtype (default x's).
+
+    The dot always accumulates to float32: asked for a bfloat16 result, XLA's CPU
+    backend converted the whole weight to float32 on every call (a copy of 2x its
+    bytes) and ran bfloat16 decode matmuls 4-7x slower than this.
+    """
+    if w.dtype.itemsize < 4 and math.prod(x.shape[:-1]) == 1:
+        return _linear_one_row(x, w).astype(preferred or x.dtype)
+    out = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=F32)
+    return out.astype(preferred or x.dtype)
+
+
+def _linear_one_row(x: jax.Array, w: jax.Array) -> jax.Array:
+    """A one-row 16-bit product, run as two rows (the second zeros).
+
+    XLA's CPU backend has no fast bfloat16 matrix-vector product: one row took
+    ~10x as long as two (a 1-slot bfloat16 decode step of the 100M model, and
+    every prefill's logits).
+    """
+    row = x.reshape(1, x.shape[-1])
+    two = jnp.concatenate([row, jnp.zeros_like(row)])
+    out = lax.dot_general(two, w, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+    return out[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -107,15 +127,24 @@ def _write_position(
     """Each slot's new key/value column at its position, in place.
 
     One scatter per chunk; a slot whose position lies in another chunk gets an
-    out-of-range column there, which the scatter drops.
+    out-of-range column there, which the scatter drops. A 16-bit cache takes a
+    select over each chunk instead: XLA's CPU backend scatters into bfloat16 by
+    converting the whole target to float32 and back, two copies per chunk per step.
     """
     size = k_chunks[0].shape[-1]
     slots = jnp.arange(k.shape[0])
+    k, v = k.astype(k_chunks[0].dtype), v.astype(v_chunks[0].dtype)
+    narrow = k_chunks[0].dtype.itemsize < 4
     new_k, new_v = [], []
     for i, (kc, vc) in enumerate(zip(k_chunks, v_chunks, strict=True)):
         column = jnp.where(positions // size == i, positions % size, size)
-        new_k.append(kc.at[slots, :, :, column].set(k.astype(kc.dtype), mode="drop"))
-        new_v.append(vc.at[slots, :, column, :].set(v.astype(vc.dtype), mode="drop"))
+        if narrow:
+            hit = (jnp.arange(size) == column[:, None])[:, None]  # (slots, 1, chunk)
+            new_k.append(jnp.where(hit[:, :, None, :], k[..., None], kc))
+            new_v.append(jnp.where(hit[..., None], v[:, :, None, :], vc))
+        else:
+            new_k.append(kc.at[slots, :, :, column].set(k, mode="drop"))
+            new_v.append(vc.at[slots, :, column, :].set(v, mode="drop"))
     return tuple(new_k), tuple(new_v)
 
 
@@ -137,7 +166,7 @@ def _attend_chunks(
     scale = jnp.asarray(cfg.head_dim**-0.5, dtype)
     scores = []
     for i, kc in enumerate(k_chunks):
-        s = jnp.einsum("skgd,skdt->skgt", qg, kc) * scale
+        s = jnp.einsum("skgd,skdt->skgt", qg, kc, preferred_element_type=F32) * scale
         k_pos = (i * size + jnp.arange(size))[None, None, None]
         scores.append(jnp.where(_visible(positions[:, None, None, None], k_pos, cfg), s, -jnp.inf))
     top = functools.reduce(jnp.maximum, [jnp.max(s.astype(F32), axis=-1) for s in scores])
@@ -242,9 +271,10 @@ def prefill_forward(
     for lp in params["layers"]:
         q, k, v = _qkv(lp, x, cfg, cos, sin)
         qg = q.reshape(t, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("tkgd,skd->kgts", qg, k) * jnp.asarray(scale, dtype)
-        probs = _softmax_attend(scores.astype(F32), mask, dtype)
-        attn = jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.q_size)
+        scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=F32)
+        probs = _softmax_attend(scores * jnp.asarray(scale, dtype), mask, dtype)
+        attn = jnp.einsum("kgts,skd->tkgd", probs, v, preferred_element_type=F32)
+        attn = attn.astype(dtype).reshape(t, cfg.q_size)
         x = _finish(lp, x, attn, cfg)
         keys.append(k.transpose(1, 2, 0))
         values.append(v.transpose(1, 0, 2))
