@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -92,6 +93,9 @@ def build_server(config: ServerConfig) -> DrainingServer:
         log_config=None,
         access_log=False,
         lifespan="on",
+        # uvloop ran our SIGTERM handler late or never while the loader thread compiled
+        # (the signal was lost, or the process died of it with no drain); asyncio's loop runs it.
+        loop="asyncio",
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
     )
@@ -118,6 +122,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.run()
     code = server.runtime.exit_code or EXIT_OK
     logger.info("exiting", extra={"exit_code": code})
+    if server.runtime.loading:
+        # Stopped during warm-up: the loader thread may be inside an XLA compile, which
+        # cannot be interrupted, and finalizing the interpreter under it aborts the process
+        # (a C++ terminate, exit 134). Nothing is in flight yet, so leave without finalizing.
+        logging.shutdown()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(code)
     return code
 
 

@@ -75,12 +75,19 @@ class Runtime:
         self._idle.set()
         self.drain_expired = asyncio.Event()  # open requests end with an error when set
         self.exit_requested = asyncio.Event()  # the entrypoint stops the server when set
+        self._loader_thread: threading.Thread | None = None
 
     # --- start-up -------------------------------------------------------------------
     def start(self) -> None:
         """Begin loading on a daemon thread; the probes answer meanwhile."""
         self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._load, name="model-loader", daemon=True).start()
+        self._loader_thread = threading.Thread(target=self._load, name="model-loader", daemon=True)
+        self._loader_thread.start()
+
+    @property
+    def loading(self) -> bool:
+        """Whether the loader thread is still at work (loading weights, compiling shapes)."""
+        return self._loader_thread is not None and self._loader_thread.is_alive()
 
     def _load(self) -> None:
         started = time.monotonic()

@@ -217,3 +217,39 @@ def test_bad_flag_exits_with_usage_error(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert b"--port" in result.stderr
+
+
+def test_sigterm_during_warm_up_drains_and_exits_zero(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A pod stopped while it still compiles: the signal is handled and the exit is clean.
+
+    The signal goes out as soon as the engine is built, and a cold compile cache keeps the
+    warm-up compiling for many seconds after that; a lost signal, an exit by the signal
+    itself, or a C++ abort under a compiling loader thread all fail here.
+    """
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--model", str(tiny_checkpoint), "--host",
+             "127.0.0.1", "--port", str(free_port()), "--log-format", "text"],
+            cwd=str(REPO_ROOT), env={**_environ(), "PYTHONPATH": str(REPO_ROOT),
+                                     "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cold")},
+            stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "engine ready" not in log_path.read_text(errors="replace"):
+            assert proc.poll() is None, "server exited during start-up"
+            assert time.monotonic() < deadline, "the engine was never built"
+            time.sleep(0.05)
+        time.sleep(1.0)  # into the compiles of the default shapes (8 slots, buckets to 512)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    log = log_path.read_text(errors="replace")
+    assert code == 0, f"exit code {code}; log tail:\n{log[-2000:]}"
+    assert "signal received: draining" in log
