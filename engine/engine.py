@@ -7,6 +7,7 @@ decode state is passed in and out (donated), never kept here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -256,16 +257,13 @@ class Engine:
 
     def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
         first = self._resample(prefix.last_logits, host_arrays(sampling))
-        return Prefix(
-            length=prefix.length,
+        return dataclasses.replace(
+            prefix,
             sampling=sampling,
             token=first.token,
             logprob=first.logprob,
             top_ids=first.top_ids,
             top_logprobs=first.top_logprobs,
-            cache=prefix.cache,
-            last_logits=prefix.last_logits,
-            prompt_logprobs=prefix.prompt_logprobs,
         )
 
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:

@@ -132,9 +132,14 @@ def running_nginx(prefix: Path, upstream_port: int, location: Sequence[str]) -> 
         wait_for_port(port, 10.0, process)
         yield port
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        stop_process(process, 10)
+
+
+def stop_process(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)

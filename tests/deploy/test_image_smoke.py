@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.ingress_nginx import free_port
+from tests.deploy.ingress_nginx import free_port, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -163,12 +163,7 @@ def test_installed_package_serves_and_passes_the_healthcheck(tmp_path: Path) -> 
         assert reply.json()["usage"]["completion_tokens"] == 4
         print(f"served after {time.monotonic() - started:.1f} s")
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        stop_process(process, 30)
     # A read-only root filesystem suffices: the server wrote only under its cache folder.
     assert list(workdir.iterdir()) == []
     assert (cache / "demo-model" / "config.json").is_file()

@@ -29,6 +29,7 @@ from tests.deploy.ingress_nginx import (
     directives_from_annotations,
     free_port,
     running_nginx,
+    stop_process,
 )
 from tests.deploy.manifests import Manifest, find, server_container
 
@@ -177,12 +178,7 @@ def server_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
             time.sleep(0.2)
         yield port
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        stop_process(process, 30)
 
 
 def _ingress_location(rendered: dict[str, list[Manifest]]) -> list[str]:
