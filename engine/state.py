@@ -69,6 +69,7 @@ def empty_state(
             frequency_penalty=zeros_f,
             min_tokens=zeros_i,
             key=jnp.zeros((slots, 2), jnp.uint32),
+            logprobs=jnp.zeros((slots,), bool),
         ),
         active=jnp.zeros((slots,), bool),
     )

@@ -1,8 +1,9 @@
 """The decode step's KV-cache write: exact in every cache dtype, and no whole-cache copies.
 
 A bfloat16 cache is written by a select rather than a scatter (XLA's CPU backend
-converts a bfloat16 scatter target to float32 and back); both must put each
-slot's column at its position and leave every other entry alone.
+converts a bfloat16 scatter target to float32 and back), only into chunks that
+hold some slot's position; both must put each slot's column at its position and
+leave every other entry alone.
 """
 
 from __future__ import annotations
@@ -32,8 +33,17 @@ def _expected(cache: np.ndarray, new: np.ndarray, positions: np.ndarray, keys: b
     return np.split(full, CHUNKS, axis=axis)
 
 
+@pytest.mark.parametrize(
+    "positions",
+    [
+        [0, CHUNK + 3, CHUNK * CHUNKS - 1],  # three different chunks
+        [CHUNK + 1, 2, CHUNK + 1],  # the last chunk holds no position: left as it is
+    ],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_write_position_sets_each_slot_column_and_nothing_else(dtype: str) -> None:
+def test_write_position_sets_each_slot_column_and_nothing_else(
+    dtype: str, positions: list[int]
+) -> None:
     rng = np.random.default_rng(0)
     dt = jnp.dtype(dtype)
     k_full = rng.standard_normal((SLOTS, KV, HEAD_DIM, CHUNK * CHUNKS)).astype(np.float32)
@@ -42,7 +52,7 @@ def test_write_position_sets_each_slot_column_and_nothing_else(dtype: str) -> No
     v_full = np.asarray(jnp.asarray(v_full, dt).astype(jnp.float32))
     k_new = np.asarray(jnp.asarray(rng.standard_normal((SLOTS, KV, HEAD_DIM)), dt), np.float32)
     v_new = np.asarray(jnp.asarray(rng.standard_normal((SLOTS, KV, HEAD_DIM)), dt), np.float32)
-    positions = np.array([0, CHUNK + 3, CHUNK * CHUNKS - 1], np.int32)  # three different chunks
+    positions = np.array(positions, np.int32)
 
     k_chunks = tuple(jnp.asarray(c, dt) for c in np.split(k_full, CHUNKS, axis=3))
     v_chunks = tuple(jnp.asarray(c, dt) for c in np.split(v_full, CHUNKS, axis=2))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampling import SamplingArrays, sample, seed_key
+from engine.sampling import SamplingArrays, argmax, sample, seed_key
 from engine.types import MAX_LOGPROBS
 
 VOCAB = 32
@@ -24,6 +24,7 @@ def batch(rows: int, **values: float) -> SamplingArrays:
         frequency_penalty=full(values.get("frequency_penalty", 0.0), jnp.float32),
         min_tokens=full(values.get("min_tokens", 0), jnp.int32),
         key=jnp.tile(jnp.asarray(seed_key(int(values.get("seed", 7)))), (rows, 1)),
+        logprobs=full(values.get("logprobs", True), bool),
     )
 
 
@@ -154,6 +155,38 @@ def test_logprobs_are_of_raw_logits_sorted_and_max_wide(logits):
     np.testing.assert_array_equal(out.top_ids[0], np.argsort(-raw)[:MAX_LOGPROBS])
     np.testing.assert_allclose(out.top_logprobs[0], np.sort(raw)[::-1][:MAX_LOGPROBS], atol=1e-5)
     np.testing.assert_allclose(out.logprob, raw[out.token], atol=1e-5)
+
+
+def test_logprobs_only_for_batches_that_ask_and_tokens_the_same_either_way(logits):
+    """Rows that want logprobs get them beside rows that don't; a batch where no row
+    wants them gets zeros; the sampled tokens never depend on it."""
+    rows = 6
+    tiled = jnp.tile(jnp.asarray(logits), (rows, 1))
+    index = jnp.arange(rows, dtype=jnp.int32)
+    zeros = jnp.zeros((rows,), jnp.int32)
+    args = (index, jnp.zeros((rows, VOCAB), jnp.int32), zeros, np.zeros((VOCAB,), bool))
+    mixed = batch(rows, temperature=0.8, seed=3)._replace(
+        logprobs=jnp.array([True, False] * (rows // 2))
+    )
+    none = batch(rows, temperature=0.8, seed=3, logprobs=False)
+    with_lp = jax.device_get(run(tiled, mixed, *args))
+    without = jax.device_get(run(tiled, none, *args))
+
+    np.testing.assert_array_equal(with_lp.token, without.token)
+    raw = logits - logits.max()
+    raw = raw - np.log(np.exp(raw).sum())
+    np.testing.assert_allclose(with_lp.logprob[0], raw[with_lp.token[0]], atol=1e-5)
+    np.testing.assert_array_equal(with_lp.top_ids[0], np.argsort(-raw)[:MAX_LOGPROBS])
+    assert not np.any(without.logprob) and not np.any(without.top_logprobs)
+
+
+def test_argmax_is_the_first_maximum():
+    rng = np.random.default_rng(2)
+    rows = rng.integers(-3, 3, size=(64, 40)).astype(np.float32)  # many ties
+    rows[5] = -np.inf
+    rows[6, 17] = np.inf
+    got = jax.device_get(jax.jit(argmax)(jnp.asarray(rows)))
+    np.testing.assert_array_equal(got, np.argmax(rows, axis=-1))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**32 - 1])
