@@ -253,3 +253,68 @@ def test_sigterm_during_warm_up_drains_and_exits_zero(
     log = log_path.read_text(errors="replace")
     assert code == 0, f"exit code {code}; log tail:\n{log[-2000:]}"
     assert "signal received: draining" in log
+
+
+def test_second_sigterm_exits_at_once_instead_of_draining(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The first SIGTERM starts a drain that would take many seconds (32 queued requests of
+    16 samples on 4 slots); a second one ends the process at once with exit code 1, cutting
+    the streams, instead of finishing them and exiting 0."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--model", str(tiny_checkpoint), "--host",
+             "127.0.0.1", "--port", str(port), "--drain-timeout", "300", *SHAPE_FLAGS],
+            cwd=str(REPO_ROOT), env={**_environ(), "PYTHONPATH": str(REPO_ROOT)},
+            stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    body = {"prompt": "Long", "max_tokens": 100, "n": 16, "ignore_eos": True, "stream": True}
+    streams = 32
+
+    async def run() -> tuple[list[str], float]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            opened = asyncio.Event()
+            count = 0
+
+            async def one() -> str:
+                nonlocal count
+                try:
+                    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+                        assert r.status_code == 200
+                        count += 1
+                        if count == streams:
+                            opened.set()
+                        raw = await r.aread()
+                except httpx.HTTPError:
+                    return "cut"
+                return "done" if sse_events(raw.decode("utf-8"))[-1] == "[DONE]" else "cut"
+
+            tasks = [asyncio.create_task(one()) for _ in range(streams)]
+            await asyncio.wait_for(opened.wait(), 60)
+            proc.send_signal(signal.SIGTERM)
+            for _ in range(100):  # the drain has begun once readiness says 503
+                if (await client.get(base + "/ready")).status_code == 503:
+                    break
+                await asyncio.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            second = time.monotonic()
+            outcomes = await asyncio.gather(*tasks)
+            return outcomes, second
+
+    try:
+        _poll_until_ready(base, proc)
+        outcomes, second = asyncio.run(run())
+        code = proc.wait(60)
+        exited_after = time.monotonic() - second
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    log = log_path.read_text(errors="replace")
+    assert code == 1, f"exit code {code}; log tail:\n{log[-2000:]}"
+    assert "second signal: exiting now" in log
+    assert "cut" in outcomes, "every stream finished: the second signal waited for the drain"
+    assert exited_after < 30
