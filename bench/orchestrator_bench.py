@@ -92,7 +92,13 @@ def orchestrator_tok_s(engine: Any, tokenizer: Any, max_tokens: int, **kw: Any) 
 def _full_occupancy_rate(streams: list[RequestStream]) -> float:
     start = max(s.timings.first_token or 0.0 for s in streams)
     end = min(s.timings.finished or 0.0 for s in streams)
-    tokens = sum(1 for s in streams for t in s.timings.token_times if start < t <= end)
+    tokens = sum(
+        1
+        for s in streams
+        for times in s.timings.token_times.values()
+        for t in times
+        if start < t <= end
+    )
     if end <= start or tokens == 0:
         raise RuntimeError("no window with every slot busy: raise --max-tokens")
     return tokens / (end - start)

@@ -96,7 +96,7 @@ class RequestTimings:
     prefill_end: float | None = None
     inserted: float | None = None  # first sample got a slot
     first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)  # every emitted token, all samples
+    token_times: dict[int, list[float]] = field(default_factory=dict)  # per sample index
     finished: float | None = None
 
     @property

@@ -119,9 +119,9 @@ class EngineMetrics:
             self.prefill.labels(name).observe(timings.prefill_end - timings.prefill_start)
         if timings.ttft_s is not None:
             self.ttft.labels(name).observe(timings.ttft_s)
-        times = timings.token_times
-        for earlier, later in zip(times, times[1:], strict=False):
-            self.itl.labels(name).observe(max(0.0, later - earlier))
+        for times in timings.token_times.values():  # per sample: n > 1 samples interleave
+            for earlier, later in zip(times, times[1:], strict=False):
+                self.itl.labels(name).observe(max(0.0, later - earlier))
         if timings.e2e_s is not None:
             self.e2e.labels(name).observe(timings.e2e_s)
 

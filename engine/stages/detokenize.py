@@ -208,7 +208,7 @@ class DetokenizeStage:
         timings = job.stream.timings
         if timings.first_token is None:
             timings.first_token = now
-        timings.token_times.append(now)
+        timings.token_times.setdefault(sample.index, []).append(now)
         job.stream.push(
             Delta(
                 index=sample.index,

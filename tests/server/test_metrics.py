@@ -31,7 +31,15 @@ def test_engine_metrics_count_each_request(live: LiveServer) -> None:
     body = {"prompt": "Metrics stream", "max_tokens": 5, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", live.v1 + "/completions", json=body, timeout=30) as response:
         response.read()
+    after_single = scrape(live)
+    body = {"prompt": "Metrics n", "max_tokens": 5, "ignore_eos": True, "n": 3, "seed": 1}
+    assert httpx.post(live.v1 + "/completions", json=body, timeout=30).status_code == 200
     after = scrape(live)
+    # n = 3: each sample's own 4 gaps (their tokens interleave, so one merged list would
+    # count 3 * 5 - 1 = 14 gaps, most of them between different samples)
+    itl = "llm_inter_token_latency_seconds_count"
+    assert value(after, itl) - value(after_single, itl) == 3 * 4
+    after = after_single
 
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
