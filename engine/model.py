@@ -13,10 +13,13 @@ matmuls ~20% faster than contracting the last axes of (out, in) weights, and
 prefill no slower (bench/engine_bench.py).
 
 Decode cache: per layer a tuple of equal chunks along positions, keys as
-(slots, kv_heads, head_dim, chunk) and values as (slots, kv_heads, chunk,
-head_dim): per kv head a contiguous block with the sequence axis next to
-head_dim, so both attention products are plain batched matmuls (q @ K^T
-reads K^T rows directly). The step writes its new K/V in place and reads
+(slots, kv_heads, chunk / block, head_dim, block) and values as (slots,
+kv_heads, chunk, head_dim): per kv head contiguous, the sequence axis next
+to head_dim, so both attention products are plain batched matmuls (q @ K^T
+reads K^T rows directly). Keys come in blocks of KEY_BLOCK positions: the
+CPU backend's q @ K^T ran at ~20 GB/s over 128-position blocks and ~28 GB/s
+over 32-position ones (values read best 128 at a time, as they are). The
+step writes its new K/V in place and reads
 only the chunks up to the furthest busy slot's position, chosen on the
 device by a switch over whole chunk arrays: any slice of one big cache
 buffer (static, dynamic, or per block in a loop) was materialized by XLA's
@@ -39,6 +42,20 @@ from engine.config import ModelConfig
 Params = dict[str, Any]
 F32 = jnp.float32
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+KEY_BLOCK = 32  # positions per key block in the decode cache (at most one chunk)
+
+
+def key_block(chunk: int) -> int:
+    """Positions per key block for cache chunks of `chunk` positions (both powers of two)."""
+    return min(KEY_BLOCK, chunk)
+
+
+def key_blocks(keys: jax.Array, block: int) -> jax.Array:
+    """(..., head_dim, n) keys -> (..., n / block, head_dim, block); n < block: one block."""
+    *lead, dim, n = keys.shape
+    width = min(block, n)
+    split = keys.reshape(*lead, dim, n // width, width)
+    return jnp.moveaxis(split, -2, -3)
 
 
 def matmul_layout(params: Params) -> Params:
@@ -133,7 +150,8 @@ def _write_position(
     hold some slot's position: a select rewrites its whole chunk, so selecting
     into every chunk cost the 100M model's 16-slot bfloat16 step ~10 ms of its ~45.
     """
-    size = k_chunks[0].shape[-1]
+    size = v_chunks[0].shape[2]
+    block = k_chunks[0].shape[-1]
     slots = jnp.arange(k.shape[0])
     k, v = k.astype(k_chunks[0].dtype), v.astype(v_chunks[0].dtype)
     narrow = k_chunks[0].dtype.itemsize < 4
@@ -149,7 +167,8 @@ def _write_position(
                 vc,
             )
         else:
-            kc = kc.at[slots, :, :, column].set(k, mode="drop")
+            # out of this chunk: column // block is past the last block, and dropped
+            kc = kc.at[slots, :, column // block, :, column % block].set(k, mode="drop")
             vc = vc.at[slots, :, column, :].set(v, mode="drop")
         new_k.append(kc)
         new_v.append(vc)
@@ -160,10 +179,12 @@ def _select_column(
     kc: jax.Array, vc: jax.Array, *, k: jax.Array, v: jax.Array, column: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """kc/vc with each slot's column (out of range: none) replaced by its k/v."""
-    hit = (jnp.arange(kc.shape[-1]) == column[:, None])[:, None]  # (slots, 1, chunk)
+    slots, _, size, _ = vc.shape
+    hit = jnp.arange(size) == column[:, None]  # (slots, chunk)
+    key_hit = hit.reshape(slots, 1, kc.shape[2], 1, kc.shape[4])
     return (
-        jnp.where(hit[:, :, None, :], k[..., None], kc),
-        jnp.where(hit[..., None], v[:, :, None, :], vc),
+        jnp.where(key_hit, k[:, :, None, :, None], kc),
+        jnp.where(hit[:, None, :, None], v[:, :, None, :], vc),
     )
 
 
@@ -178,24 +199,34 @@ def _attend_chunks(
 
     Chunk by chunk and in chunk order: a chunk a slot cannot see has scores
     -inf, so it adds exactly 0 to the sums and leaves the max alone; a slot's
-    result is the same bits whatever number of chunks is read.
+    result is the same bits whatever number of chunks is read. Scores stay in
+    the keys' block layout (slots, kv, blocks, groups, block) through the
+    softmax; only the probabilities are reordered for the product with the
+    values (reordering the scores slowed the softmax's fused loops ~3x).
     """
-    size = k_chunks[0].shape[-1]
+    size = v_chunks[0].shape[2]
     dtype = qg.dtype
     scale = jnp.asarray(cfg.head_dim**-0.5, dtype)
+    slots, kv, groups, dim = qg.shape
+    blocks, block = k_chunks[0].shape[2], k_chunks[0].shape[4]
+    qb = jnp.broadcast_to(qg[:, :, None], (slots, kv, blocks, groups, dim))
     scores = []
     for i, kc in enumerate(k_chunks):
-        s = jnp.einsum("skgd,skdt->skgt", qg, kc, preferred_element_type=F32) * scale
-        k_pos = (i * size + jnp.arange(size))[None, None, None]
-        scores.append(jnp.where(_visible(positions[:, None, None, None], k_pos, cfg), s, -jnp.inf))
-    top = functools.reduce(jnp.maximum, [jnp.max(s.astype(F32), axis=-1) for s in scores])
+        s = lax.dot_general(
+            qb, kc, (((4,), (3,)), ((0, 1, 2), (0, 1, 2))), preferred_element_type=F32
+        )  # (slots, kv, blocks, groups, block)
+        k_pos = (i * size + jnp.arange(size)).reshape(blocks, 1, block)
+        seen = _visible(positions[:, None, None, None, None], k_pos[None, None], cfg)
+        scores.append(jnp.where(seen, s * scale, -jnp.inf))
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=(2, 4)) for s in scores])
     top = jnp.where(jnp.isfinite(top), top, 0.0)  # a slot that sees nothing here gets 0s
     total = jnp.zeros(top.shape, F32)
     out = jnp.zeros(qg.shape, F32)
     for s, vc in zip(scores, v_chunks, strict=True):
-        p = jnp.exp(s.astype(F32) - top[..., None])
-        total = total + jnp.sum(p, axis=-1)
-        out = out + jnp.einsum("skgt,sktd->skgd", p.astype(dtype), vc, preferred_element_type=F32)
+        p = jnp.exp(s - top[:, :, None, :, None])
+        total = total + jnp.sum(p, axis=(2, 4))
+        p = jnp.moveaxis(p, 2, 3).reshape(slots, kv, groups, size).astype(dtype)
+        out = out + jnp.einsum("skgt,sktd->skgd", p, vc, preferred_element_type=F32)
     return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
 
 
@@ -212,7 +243,7 @@ def _attend_live(
     nothing is sliced or copied (XLA's CPU backend materializes any slice of
     the cache at a few GB/s, more than the skipped positions cost).
     """
-    size = k_chunks[0].shape[-1]
+    size = v_chunks[0].shape[2]
     live = jnp.minimum(jnp.max(positions) // size, len(k_chunks) - 1)
     branches = [functools.partial(_attend_n, n=n, cfg=cfg) for n in range(1, len(k_chunks) + 1)]
     return lax.switch(live, branches, qg, k_chunks, v_chunks, positions)

@@ -24,14 +24,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from engine.config import ModelConfig
-from engine.model import Params, decode_forward
+from engine.model import Params, decode_forward, key_block, key_blocks
 from engine.sampling import Sampled, SamplingArrays, sample
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DecodeState:
-    k_cache: tuple[tuple[jax.Array, ...], ...]  # per layer, chunk: (slots, kv, head_dim, chunk)
+    k_cache: tuple[tuple[jax.Array, ...], ...]  # per layer, chunk: (slots, kv, blocks, dim, block)
     v_cache: tuple[tuple[jax.Array, ...], ...]  # per layer, chunk: (slots, kv, chunk, head_dim)
     lengths: jax.Array  # (slots,) int32: tokens whose KV is cached
     tokens: jax.Array  # (slots,) int32: last sampled token, fed next
@@ -46,7 +46,8 @@ def empty_state(
 ) -> DecodeState:
     """All slots idle; room for max_len positions in chunks of `chunk` (the last may overhang)."""
     chunks = math.ceil(max_len / chunk)
-    k_shape = (slots, cfg.num_kv_heads, cfg.head_dim, chunk)
+    block = key_block(chunk)
+    k_shape = (slots, cfg.num_kv_heads, chunk // block, cfg.head_dim, block)
     v_shape = (slots, cfg.num_kv_heads, chunk, cfg.head_dim)
 
     def layer(shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
@@ -85,24 +86,32 @@ def insert_prefix(
     sampling: SamplingArrays,
 ) -> DecodeState:
     """Put a prefilled prompt (per layer k: (kv_heads, head_dim, bucket), v: (kv_heads,
-    bucket, head_dim)) into positions 0..bucket-1 of `slot`."""
-    start = (slot, 0, 0, 0)
-    size = state.v_cache[0][0].shape[2]
+    bucket, head_dim)) into positions 0..bucket-1 of `slot`.
 
-    def put(chunks: tuple[jax.Array, ...], prompt: jax.Array, axis: int) -> tuple[jax.Array, ...]:
+    Buckets and chunks are powers of two, so a bucket fills whole chunks and key
+    blocks, or (a bucket smaller than one) the start of the first.
+    """
+    size = state.v_cache[0][0].shape[2]
+    block = state.k_cache[0][0].shape[-1]
+
+    def put(
+        chunks: tuple[jax.Array, ...], prompt: jax.Array, axis: int, keys: bool
+    ) -> tuple[jax.Array, ...]:
         bucket = prompt.shape[axis]
         pieces = [
             lax.slice_in_dim(prompt, i * size, min(bucket, (i + 1) * size), axis=axis)
             for i in range(math.ceil(bucket / size))
         ]
+        if keys:
+            pieces = [key_blocks(piece, block) for piece in pieces]
         written = tuple(
-            lax.dynamic_update_slice(c, piece[None].astype(c.dtype), start)
+            lax.dynamic_update_slice(c, piece[None].astype(c.dtype), (slot,) + (0,) * piece.ndim)
             for c, piece in zip(chunks, pieces, strict=False)
         )
         return written + chunks[len(pieces) :]
 
-    k_cache = tuple(put(c, p, 2) for c, p in zip(state.k_cache, k, strict=True))
-    v_cache = tuple(put(c, p, 1) for c, p in zip(state.v_cache, v, strict=True))
+    k_cache = tuple(put(c, p, 2, True) for c, p in zip(state.k_cache, k, strict=True))
+    v_cache = tuple(put(c, p, 1, False) for c, p in zip(state.v_cache, v, strict=True))
     vocab = state.counts.shape[1]
     first_count = (jnp.arange(vocab) == token).astype(jnp.int32)
     return DecodeState(

@@ -18,7 +18,15 @@ import pytest
 from engine.engine import Engine, EngineConfig
 from engine.model import _write_position
 
-SLOTS, KV, HEAD_DIM, CHUNK, CHUNKS = 3, 2, 4, 8, 3
+SLOTS, KV, HEAD_DIM, CHUNK, CHUNKS, BLOCK = 3, 2, 4, 8, 3, 4
+
+
+def _key_chunks(full: np.ndarray) -> list[np.ndarray]:
+    """(slots, kv, head_dim, positions) keys -> the cache's chunks of key blocks."""
+    return [
+        c.reshape(SLOTS, KV, HEAD_DIM, CHUNK // BLOCK, BLOCK).transpose(0, 1, 3, 2, 4)
+        for c in np.split(full, CHUNKS, axis=3)
+    ]
 
 
 def _expected(cache: np.ndarray, new: np.ndarray, positions: np.ndarray, keys: bool) -> list:
@@ -29,8 +37,7 @@ def _expected(cache: np.ndarray, new: np.ndarray, positions: np.ndarray, keys: b
             full[slot, :, :, pos] = new[slot]
         else:
             full[slot, :, pos, :] = new[slot]
-    axis = 3 if keys else 2
-    return np.split(full, CHUNKS, axis=axis)
+    return _key_chunks(full) if keys else np.split(full, CHUNKS, axis=2)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +61,7 @@ def test_write_position_sets_each_slot_column_and_nothing_else(
     v_new = np.asarray(jnp.asarray(rng.standard_normal((SLOTS, KV, HEAD_DIM)), dt), np.float32)
     positions = np.array(positions, np.int32)
 
-    k_chunks = tuple(jnp.asarray(c, dt) for c in np.split(k_full, CHUNKS, axis=3))
+    k_chunks = tuple(jnp.asarray(c, dt) for c in _key_chunks(k_full))
     v_chunks = tuple(jnp.asarray(c, dt) for c in np.split(v_full, CHUNKS, axis=2))
     got_k, got_v = jax.jit(_write_position)(
         k_chunks, v_chunks, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(positions)

@@ -28,7 +28,9 @@ def test_cache_chunks_are_powers_of_two_covering_max_model_len(small_engine):
     assert [attention_chunk(n) for n in (8, 64, 100, 1024, 4096)] == [16, 16, 16, 128, 512]
     state = small_engine.init_state()
     assert len(state.k_cache[0]) == 4
-    assert state.k_cache[0][0].shape == (4, 2, 16, 16)  # slots, kv heads, head_dim, chunk
+    # slots, kv heads, key blocks, head_dim, block (chunk 16 < KEY_BLOCK: one block)
+    assert state.k_cache[0][0].shape == (4, 2, 1, 16, 16)
+    assert state.v_cache[0][0].shape == (4, 2, 16, 16)  # slots, kv heads, chunk, head_dim
     assert state.v_cache[0][3].shape == (4, 2, 16, 16)
 
 

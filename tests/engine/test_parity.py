@@ -90,6 +90,21 @@ def test_prefill_and_decode_logits_match_transformers(arch, tiny_checkpoint_of):
     assert tokens == [int(r.argmax()) for r in ref]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_across_key_blocks_and_chunks_matches_transformers(dtype, tiny_checkpoint_of):
+    """max_model_len 512: cache chunks of 64 positions, keys in two blocks of 32 each; a
+    60-token prompt (bucket 64: both blocks) decodes across the first chunk boundary."""
+    folder = tiny_checkpoint_of("llama")
+    engine = Engine(EngineConfig(folder, dtype=dtype, max_slots=2, max_model_len=512))
+    k_chunk, v_chunk = engine.init_state().k_cache[0][0], engine.init_state().v_cache[0][0]
+    assert k_chunk.shape[2] == 2 and v_chunk.shape[2] == 64
+    prompt = [0] + [(37 * i) % 500 + 3 for i in range(59)]
+    tokens, logits = decode_logits(engine, prompt, steps=8)
+    ref = hf_logits(hf_model(folder), (prompt + tokens)[:-1])[len(prompt) - 1 :]
+    error = max(float(np.abs(got - want).max()) for got, want in zip(logits, ref, strict=True))
+    assert error < (F32_TOL if dtype == "float32" else BF16_TOL), error
+
+
 def test_bfloat16_logits_stay_close_to_float32_reference(tiny_checkpoint_of):
     """bfloat16 params and cache: max abs logit error against the float32 reference."""
     folder = tiny_checkpoint_of("llama")
