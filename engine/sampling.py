@@ -187,17 +187,17 @@ def sample(
     generated (B,): tokens generated so far (min_tokens); eos_mask (vocab,).
     Logprobs (a log-softmax and a top-20 over the vocabulary, ~1 ms of a
     16-slot step of a 32k-vocabulary model on CPU) are computed only when
-    some row asks for them; the other rows' fields are then zeros.
+    some row asks for them; the other rows' fields are then zeros. Likewise
+    penalties and min_tokens cost passes over the vocabulary only when some
+    row has them.
     """
     logits = logits.astype(jnp.float32)
-    counts_f = counts.astype(jnp.float32)
-    adjusted = (
-        logits
-        - params.presence_penalty[:, None] * (counts_f > 0)
-        - params.frequency_penalty[:, None] * counts_f
+    adjusting = jnp.any(penalized(params) | (generated < params.min_tokens))
+    adjusted = lax.cond(
+        adjusting,
+        lambda: _adjust(logits, params, counts, generated, eos_mask),
+        lambda: logits,  # what _adjust gives a row without penalties or held EOS, bit for bit
     )
-    hold_eos = (generated < params.min_tokens)[:, None] & eos_mask[None, :]
-    adjusted = jnp.where(hold_eos, -jnp.inf, adjusted)
     greedy = argmax(adjusted)
 
     sampling = params.temperature > 0
@@ -220,6 +220,29 @@ def sample(
         token,
     )
     return Sampled(token, logprob, top_ids, top_lps)
+
+
+def penalized(params: SamplingArrays) -> jax.Array:
+    """Per row, whether presence or frequency penalties apply (and so token counts matter)."""
+    return (params.presence_penalty != 0) | (params.frequency_penalty != 0)
+
+
+def _adjust(
+    logits: jax.Array,
+    params: SamplingArrays,
+    counts: jax.Array,
+    generated: jax.Array,
+    eos_mask: jax.Array,
+) -> jax.Array:
+    """Penalties, then EOS held back below min_tokens: two passes over (B, vocab)."""
+    counts_f = counts.astype(jnp.float32)
+    adjusted = (
+        logits
+        - params.presence_penalty[:, None] * (counts_f > 0)
+        - params.frequency_penalty[:, None] * counts_f
+    )
+    hold_eos = (generated < params.min_tokens)[:, None] & eos_mask[None, :]
+    return jnp.where(hold_eos, -jnp.inf, adjusted)
 
 
 def _logprobs(logits: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

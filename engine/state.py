@@ -25,7 +25,7 @@ from jax import lax
 
 from engine.config import ModelConfig
 from engine.model import Params, decode_forward, key_block, key_blocks
-from engine.sampling import Sampled, SamplingArrays, sample
+from engine.sampling import Sampled, SamplingArrays, penalized, sample
 
 
 @jax.tree_util.register_dataclass
@@ -36,7 +36,7 @@ class DecodeState:
     lengths: jax.Array  # (slots,) int32: tokens whose KV is cached
     tokens: jax.Array  # (slots,) int32: last sampled token, fed next
     generated: jax.Array  # (slots,) int32: tokens sampled so far (prefill's included)
-    counts: jax.Array  # (slots, vocab) int32: how often each token was sampled
+    counts: jax.Array  # (slots, vocab) int32: tokens sampled, kept while penalties use them
     sampling: SamplingArrays  # each field with a leading slots axis
     active: jax.Array  # (slots,) bool
 
@@ -157,9 +157,18 @@ def decode_step(
     active = state.active
     step = active.astype(jnp.int32)
     vocab = state.counts.shape[1]
-    new_counts = state.counts + (
-        (jnp.arange(vocab)[None, :] == out.token[:, None]) & active[:, None]
-    ).astype(jnp.int32)
+    # Only penalties read the counts: a slot without them may keep stale ones (insert resets).
+    new_counts = lax.cond(
+        jnp.any(active & penalized(state.sampling)),
+        lambda counts: (
+            counts
+            + ((jnp.arange(vocab)[None, :] == out.token[:, None]) & active[:, None]).astype(
+                jnp.int32
+            )
+        ),
+        lambda counts: counts,
+        state.counts,
+    )
     lengths = state.lengths + step
     new_state = DecodeState(
         k_cache=k_cache,

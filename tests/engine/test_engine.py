@@ -143,3 +143,37 @@ def test_resample_draws_the_first_token_again(small_engine):
     assert int(small_engine.resample(first, SamplingParams(temperature=2.0, seed=7)).token) == int(
         fresh.token
     )
+
+
+def test_frequency_penalty_counts_every_token_of_its_own_request(small_engine):
+    """Token counts are kept only while a busy slot uses penalties. A penalized request put
+    into a slot whose previous, unpenalized request ran with stale counts still sees exactly
+    its own tokens: with a penalty of 100 greedy never repeats a token, where the same prompt
+    unpenalized does, and a neighbour without penalties decodes as it does alone."""
+    engine = small_engine
+    prompt, neighbour = [0, 7, 7, 7], [0, 30, 31]
+    penalized = SamplingParams(temperature=0.0, seed=0, frequency_penalty=100.0)
+
+    def decode(state, slot: int, steps: int, watch: int | None = None):
+        mine, theirs = [], []
+        for _ in range(steps):
+            state, out = engine.generate(state)
+            mine.append(int(out.tokens[slot]))
+            if watch is not None:
+                theirs.append(int(out.tokens[watch]))
+        return state, mine, theirs
+
+    fresh = engine.insert(engine.prefill(neighbour, GREEDY), engine.init_state(), 2)
+    _, alone, _ = decode(fresh, 2, 20)
+
+    state = engine.insert(engine.prefill(prompt, GREEDY), engine.init_state(), 0)
+    state, plain, _ = decode(state, 0, 20)
+    assert len(set(plain)) < len(plain), "the unpenalized prompt must repeat for this test"
+    state = engine.free(state, 0)  # slot 0's counts were never kept: no penalties ran
+    state = engine.insert(engine.prefill(neighbour, GREEDY), state, 2)
+    first = engine.prefill(prompt, penalized)
+    state = engine.insert(first, state, 0)
+    state, tokens, beside = decode(state, 0, 20, watch=2)
+    sequence = [int(first.token), *tokens]
+    assert len(set(sequence)) == len(sequence), sequence
+    assert beside == alone
