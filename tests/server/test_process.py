@@ -56,14 +56,19 @@ def test_probes_api_key_and_sigterm_drain(tiny_checkpoint: Path, tmp_path: Path)
         _check_api_key(base)
         _check_sigterm_drain(base, proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        _reap(proc)
     log = log_path.read_text(errors="replace")
     records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     access = [r for r in records if r.get("message") == "request" and r.get("status") == 200]
     assert any(r.get("completion_tokens") for r in access), "access log lines carry token counts"
     assert all("request_id" in r for r in access)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill a server a failed test left running."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
 
 
 def _environ() -> dict[str, str]:
@@ -247,9 +252,7 @@ def test_sigterm_during_warm_up_drains_and_exits_zero(
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        _reap(proc)
     log = log_path.read_text(errors="replace")
     assert code == 0, f"exit code {code}; log tail:\n{log[-2000:]}"
     assert "signal received: draining" in log
@@ -310,9 +313,7 @@ def test_second_sigterm_exits_at_once_instead_of_draining(
         code = proc.wait(60)
         exited_after = time.monotonic() - second
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        _reap(proc)
     log = log_path.read_text(errors="replace")
     assert code == 1, f"exit code {code}; log tail:\n{log[-2000:]}"
     assert "second signal: exiting now" in log
