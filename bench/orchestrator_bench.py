@@ -71,7 +71,7 @@ def engine_tok_s(engine: Any, steps: int) -> float:
 
 def orchestrator_tok_s(engine: Any, tokenizer: Any, max_tokens: int, **kw: Any) -> float:
     """Tokens/s while every slot is busy: from the last first token to the first finish."""
-    orch = Orchestrator(engine, tokenizer, OrchestratorConfig(max_queued_requests=1024), **kw)
+    orch = Orchestrator(engine, tokenizer, OrchestratorConfig(max_queued_samples=1024), **kw)
     orch.start()
     try:
         streams = [
@@ -143,7 +143,7 @@ def bench_fake(slots: int, requests: int, max_tokens: int) -> dict[str, Any]:
     orch = Orchestrator(
         engine,
         tokenizer,
-        OrchestratorConfig(max_queued_requests=requests),
+        OrchestratorConfig(max_queued_samples=requests),
         new_detokenizer=tokenizer.detokenizer,
     )
     orch.start()

@@ -20,11 +20,19 @@ import queue
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.request import ActiveRequest, Overloaded, RequestFailed, RequestStream, Unavailable
+from engine.request import (
+    ActiveRequest,
+    Overloaded,
+    RequestFailed,
+    RequestRejected,
+    RequestStream,
+    Unavailable,
+)
 from engine.stages.detokenize import (
     DetokenizerFactory,
     DetokenizeStage,
@@ -48,20 +56,22 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SEED_STRIDE = 1_000_003  # seeds of samples 1..n-1: request seed + index * stride (mod 2**31)
+_SEED_STRIDE = 1_000_003  # seeds of samples 1..n-1: request seed + index * stride, wrapped
 _JOIN_S = 5.0
+_RATE_WINDOW = 64  # samples whose end times estimate the service rate for Retry-After
+_MAX_RETRY_AFTER_S = 60.0  # clients (the openai SDK among them) ignore longer waits
 
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    max_queued_requests: int = 64  # admission bound; beyond it submit raises Overloaded
+    max_queued_samples: int = 256  # admission bound in samples; beyond it submit raises Overloaded
     prefill_queue_size: int = 4  # prefilled samples waiting for a slot (device memory)
     detokenize_queue_size: int = 8  # generate steps the detokenize stage may lag behind
     fault_injection: str | None = None  # test hook: "prefill" | "generate" | "detokenize",
     # optionally "stage:after=N" (raise on the (N+1)-th unit of work)
 
     def __post_init__(self) -> None:
-        for name in ("max_queued_requests", "prefill_queue_size", "detokenize_queue_size"):
+        for name in ("max_queued_samples", "prefill_queue_size", "detokenize_queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.fault_injection is not None:
@@ -109,13 +119,14 @@ class Orchestrator:
         self._stopped = False
         self._listeners: list[Callable[[BaseException], None]] = []
         self._threads: list[threading.Thread] = []
+        self._sample_ends: deque[float] = deque(maxlen=_RATE_WINDOW)  # under _lock
 
         plan = (
             None
             if self.config.fault_injection is None
             else FaultPlan.parse(self.config.fault_injection)
         )
-        self._admission = AdmissionQueue(self.config.max_queued_requests)
+        self._admission = AdmissionQueue(self.config.max_queued_samples)
         self._credits = Credits(self.config.prefill_queue_size)
         self._generate_inbox: queue.Queue[GenerateMessage] = queue.Queue()
         self._detokenize_inbox: queue.Queue[DetokenizeMessage] = queue.Queue(
@@ -170,7 +181,7 @@ class Orchestrator:
         logger.info(
             "orchestrator started: %d slots, admission bound %d",
             self._engine.max_slots,
-            self.config.max_queued_requests,
+            self.config.max_queued_samples,
         )
 
     def drain(self, timeout: float) -> bool:
@@ -254,9 +265,21 @@ class Orchestrator:
                 raise Unavailable("the server is shutting down")
             if request.request_id in self._jobs:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
-            self._admission.put(job)
+            try:
+                self._admission.put(job)
+            except Overloaded as exc:
+                raise Overloaded(exc.queued, self._retry_after_s(exc.queued)) from None
             self._jobs[request.request_id] = job
         return job.stream
+
+    def _retry_after_s(self, backlog: int) -> float:
+        """How long the backlog takes to drain at the rate samples ended lately (lock held)."""
+        ends = self._sample_ends
+        if len(ends) >= 2 and ends[-1] > ends[0]:
+            rate = (len(ends) - 1) / (ends[-1] - ends[0])
+        else:  # nothing measured yet: a guess of one second per round of slots
+            rate = float(self._engine.max_slots)
+        return min(_MAX_RETRY_AFTER_S, max(1.0, backlog / rate))
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; no-op for an unknown or finished one. Thread-safe."""
@@ -301,9 +324,9 @@ class Orchestrator:
                 f"after max_tokens={request.max_tokens}",
             )
         sampling = request.sampling
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         samplings = tuple(
-            dataclasses.replace(sampling, seed=(seed + i * _SEED_STRIDE) % 2**31)
+            dataclasses.replace(sampling, seed=_wrap_int64(seed + i * _SEED_STRIDE))
             for i in range(request.n)
         )
         max_new = room if request.max_tokens is None else request.max_tokens
@@ -311,19 +334,23 @@ class Orchestrator:
 
     def _job_done(self, job: Job) -> None:
         """All samples of a job ended (detokenize thread): unregister, then end its stream."""
+        now = time.monotonic()
         with self._lock:
             if self._jobs.get(job.request_id) is job:
                 del self._jobs[job.request_id]
                 self._idle.notify_all()
+            self._sample_ends.extend([now] * job.request.n)
         job.stream.close()
 
     def _reject(self, job: Job, error: Exception) -> None:
         """One request cannot be served (prefill thread); the others go on."""
+        job.cancelled.set()
         with self._lock:
             if self._jobs.get(job.request_id) is job:
                 del self._jobs[job.request_id]
                 self._idle.notify_all()
-        job.stream.close(error=RequestFailed(str(error)))
+        self._generate_inbox.put(CancelJob(job))  # samples already prefilled give back slots
+        job.stream.close(error=RequestRejected(str(error)))
 
     def _run_stage(self, name: str, run: Callable[[], None]) -> None:
         try:
@@ -368,6 +395,11 @@ class Orchestrator:
         return IncrementalDetokenizer(
             self._tokenizer, list(prompt_ids), skip_special_tokens=skip_special_tokens
         )
+
+
+def _wrap_int64(value: int) -> int:
+    """value in the signed 64-bit range the API accepts seeds in (a seed keeps all 64 bits)."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def _default_stop_matcher(stop: tuple[str, ...], include_stop_str_in_output: bool) -> Any:

@@ -24,9 +24,9 @@ class Overloaded(EngineError):
     """The admission queue is full; retry later (HTTP 429 with Retry-After)."""
 
     def __init__(self, queued: int, retry_after_s: float = 1.0):
-        self.queued = queued
+        self.queued = queued  # samples waiting for prefill
         self.retry_after_s = retry_after_s
-        super().__init__(f"server overloaded: {queued} requests already queued")
+        super().__init__(f"server overloaded: {queued} samples already queued")
 
 
 class Unavailable(EngineError):
@@ -35,6 +35,10 @@ class Unavailable(EngineError):
 
 class RequestFailed(EngineError):
     """An open request failed because a stage died or the server shut down before it ended."""
+
+
+class RequestRejected(RequestFailed):
+    """The engine could not take this request's data (HTTP 400); the server goes on serving."""
 
 
 @dataclass(frozen=True)

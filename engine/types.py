@@ -8,11 +8,14 @@ stage copies them to the host, so the generate loop never waits on a copy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class EngineError(Exception):
@@ -57,14 +60,23 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        """Every value must be one the device arrays hold exactly (float32, int32, 64-bit key)."""
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                raise ValueError(f"{name} must be a finite float32 number, got {value}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0 <= self.min_tokens <= INT32_MAX:
+            raise ValueError(f"min_tokens must be in 0..{INT32_MAX}, got {self.min_tokens}")
+        if not -INT32_MAX <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must fit in int32, got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
 
 
 @dataclass(frozen=True)

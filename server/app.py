@@ -6,11 +6,13 @@ runtime); nothing here is global, so tests can run several in one process.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,12 +23,16 @@ from server import chat, completions
 from server.config import ServerConfig
 from server.errors import APIError, install_error_handlers
 from server.exchange import Exchange, log_of, until_disconnect
+from server.jsonbody import StrictJSONRoute
 from server.lifecycle import Backend, Runtime
 from server.metrics import EngineMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
+from server.openapi import document_api
 from server.params import plan_completion
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.streaming import sse_response
+
+T = TypeVar("T")
 
 
 def create_app(config: ServerConfig, loader: Callable[[], Backend] | None = None) -> FastAPI:
@@ -38,11 +44,17 @@ def create_app(config: ServerConfig, loader: Callable[[], Backend] | None = None
             return load_backend(config)
 
     runtime = Runtime(loader)
+    # Tokenizing and chat-template rendering of a large prompt take up to a second of CPU:
+    # they run here, never on the event loop, so streams and probes keep their latency.
+    text_pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="tokenize")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         runtime.start()
-        yield
+        try:
+            yield
+        finally:
+            text_pool.shutdown(wait=False, cancel_futures=True)
         await runtime.shutdown()
 
     app = FastAPI(title="jax-llm-server", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -55,18 +67,32 @@ def create_app(config: ServerConfig, loader: Callable[[], Backend] | None = None
     Instrumentator(registry=registry, excluded_handlers=["/metrics"]).instrument(app).expose(
         app, endpoint="/metrics", include_in_schema=False
     )
-    _add_routes(app, config, runtime, metrics)
+    _add_routes(app, config, runtime, metrics, text_pool)
+    document_api(app, api_key_required=config.api_key is not None)
+    # The last added runs first: RequestLog -> ApiKey -> BodyLimit -> routes.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=config.max_request_bytes,
+        read_timeout_s=config.body_read_timeout,
+    )
     if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)  # before the body is read
     app.add_middleware(RequestLogMiddleware)  # outermost: sees every response
     return app
 
 
 def _add_routes(
-    app: FastAPI, config: ServerConfig, runtime: Runtime, metrics: EngineMetrics
+    app: FastAPI,
+    config: ServerConfig,
+    runtime: Runtime,
+    metrics: EngineMetrics,
+    text_pool: ThreadPoolExecutor,
 ) -> None:
     created = int(time.time())
+    app.router.route_class = StrictJSONRoute  # bodies parse as strict JSON (server.jsonbody)
+
+    async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(text_pool, fn, *args)
 
     @app.get("/health")
     async def health() -> Response:
@@ -123,8 +149,8 @@ def _add_routes(
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         backend = runtime.require_ready()
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        plan = plan_completion(
-            response_id, body, backend.tokenizer, config, backend.limits, penalties_supported=True
+        plan = await off_loop(
+            plan_completion, response_id, body, backend.tokenizer, config, backend.limits
         )
         exchange = Exchange(runtime, backend, plan, metrics, log_of(request))
         shaper = completions.CompletionShaper(
@@ -138,8 +164,8 @@ def _add_routes(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         backend = runtime.require_ready()
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        plan = chat.plan_chat(
-            response_id, body, backend.tokenizer, config, backend.limits, penalties_supported=True
+        plan = await off_loop(
+            chat.plan_chat, response_id, body, backend.tokenizer, config, backend.limits
         )
         exchange = Exchange(runtime, backend, plan, metrics, log_of(request))
         shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)

@@ -25,6 +25,7 @@ from server.params import (
     TokenizerLike,
     build_requests,
     check_common,
+    check_samples,
     finite,
     sampling_params,
     stop_strings,
@@ -55,8 +56,6 @@ def plan_chat(
     tokenizer: Any,
     config: ServerConfig,
     limits: ModelLimits,
-    *,
-    penalties_supported: bool,
 ) -> GenerationPlan:
     check_common(request, config, config.model_name)
     unsupported = request.chat_unsupported()
@@ -71,8 +70,9 @@ def plan_chat(
     if max_tokens == 0:
         raise bad_request(f"{param} must be >= 1", param=param)
     top_n = (request.top_logprobs or 0) if request.logprobs else None
+    check_samples(1, request.n, config)
+    sampling = sampling_params(request, top_n, max_tokens, limits)
     prompt = render_prompt(request, tokenizer)
-    sampling = sampling_params(request, top_n, penalties_supported=penalties_supported)
     requests = build_requests(
         base_id,
         [prompt],

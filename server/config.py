@@ -32,7 +32,7 @@ class ServerConfig:
     max_model_len: int | None = None  # None: the checkpoint's (capped by the engine)
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two up to the context
     dtype: str = "float32"
-    max_queued_requests: int = 64
+    max_queued_samples: int = 256  # admission bound, in samples (prompts x n), before 429
     api_key: str | None = None
     log_level: str = "info"
     log_format: str = "json"
@@ -40,6 +40,10 @@ class ServerConfig:
     drain_timeout: float = 30.0
     sse_ping_interval: float = 15.0
     max_request_bytes: int = 1_000_000
+    # Connection deadlines (seconds): a client that stalls is cut, not waited for.
+    timeout_keep_alive: float = 5.0  # idle between requests on a kept-alive connection
+    header_read_timeout: float = 10.0  # request line + headers, from connect or first byte
+    body_read_timeout: float = 30.0  # the whole request body, from the end of the headers
     cache_dir: Path | None = None
     fault_injection: str | None = None
     # Request limits; each violation is a 400 that names the limit.
@@ -47,14 +51,23 @@ class ServerConfig:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_prompts: int = 64
+    max_request_samples: int = 64  # prompts x n of one request; < the admission bound
+    tokenizer_workers: int = 2  # threads that tokenize and render chat templates
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_slots", "max_queued_requests", "max_request_bytes"):
+        for name in ("max_slots", "max_queued_samples", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_n", "max_stop_strings", "max_stop_string_chars", "max_prompts"):
+        for name in (
+            "max_n",
+            "max_stop_strings",
+            "max_stop_string_chars",
+            "max_prompts",
+            "max_request_samples",
+            "tokenizer_workers",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -74,10 +87,21 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
         if self.sse_ping_interval < 0:
             raise ValueError("sse_ping_interval must be >= 0 seconds (0 disables pings)")
+        for name in ("timeout_keep_alive", "header_read_timeout", "body_read_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty when given")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be blank")
+
+    @property
+    def request_sample_limit(self) -> tuple[int, str]:
+        """(most samples one request may ask for, the flag that sets it): a request larger
+        than the whole admission bound could never be admitted."""
+        if self.max_queued_samples < self.max_request_samples:
+            return self.max_queued_samples, "max_queued_samples"
+        return self.max_request_samples, "max_request_samples"
 
     @property
     def model_name(self) -> str:
@@ -119,7 +143,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "max_model_len": (int, "context length: prompt + completion tokens"),
     "prefill_buckets": (_buckets, "comma list of prefill padding lengths"),
     "dtype": (str, "float32 or bfloat16"),
-    "max_queued_requests": (int, "requests waiting for prefill before 429"),
+    "max_queued_samples": (int, "samples (prompts x n) waiting for prefill before 429"),
     "api_key": (str, "require 'Authorization: Bearer <key>' on /v1 routes"),
     "log_level": (str, "debug, info, warning, error"),
     "log_format": (str, "json (one object a line) or text"),
@@ -127,12 +151,17 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "drain_timeout": (float, "seconds in-flight requests get after SIGTERM"),
     "sse_ping_interval": (float, "seconds between ': ping' keep-alive comments (0: none)"),
     "max_request_bytes": (int, "largest accepted request body"),
+    "timeout_keep_alive": (float, "seconds a kept-alive connection may idle between requests"),
+    "header_read_timeout": (float, "seconds a client has to send a request's headers"),
+    "body_read_timeout": (float, "seconds a client has to send a whole request body"),
     "cache_dir": (_optional_path, "where the demo model is built when --model is not given"),
     "fault_injection": (str, "test-only: inject a stage fault, e.g. generate:after=3"),
     "max_n": (int, "largest n per request"),
     "max_stop_strings": (int, "most stop strings per request"),
     "max_stop_string_chars": (int, "longest stop string"),
     "max_prompts": (int, "most prompts in one /v1/completions request"),
+    "max_request_samples": (int, "most samples (prompts x n) in one request"),
+    "tokenizer_workers": (int, "threads tokenizing prompts off the event loop"),
 }
 
 

@@ -7,13 +7,14 @@ never carry a traceback.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,17 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        return Response(
+            self.encoded(),
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/json",
+        )
+
+    def encoded(self) -> bytes:
+        """The body as ASCII JSON: rendering an error never fails, whatever text it echoes."""
+        return json.dumps(self.body(), ensure_ascii=True).encode("ascii")
 
 
 def error_body(
@@ -91,7 +101,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return bad_request("invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return bad_request("request body is not valid JSON", code="invalid_json")
+        reason = (first.get("ctx") or {}).get("error")
+        message = "request body is not valid JSON" + (f": {reason}" if reason else "")
+        return bad_request(message, code="invalid_json")
     param, path = _loc_to_param(first.get("loc", ()))
     message = str(first.get("msg", "invalid value"))
     if message.startswith("Value error, "):
@@ -108,15 +120,15 @@ def install_error_handlers(app: FastAPI) -> None:
     """Map every exception a route can raise to an OpenAI error body."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
         return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = "route not found"
@@ -124,6 +136,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, message, headers=headers).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error while serving a request")
         return APIError(500, "internal server error", code="internal_error").response()

@@ -20,6 +20,7 @@ from engine.request import (
     Delta,
     Overloaded,
     RequestFailed,
+    RequestRejected,
     RequestStream,
     Unavailable,
 )
@@ -87,6 +88,8 @@ def failure_error(exc: BaseException) -> APIError:
     """The client-facing form of a request that failed after it was accepted."""
     if isinstance(exc, DrainExpired):
         return APIError(503, "server shut down before the request finished", code="shutdown")
+    if isinstance(exc, RequestRejected):
+        return bad_request(f"the engine rejected the request: {exc}", code="invalid_value")
     if isinstance(exc, RequestFailed):
         return APIError(503, f"request failed: {exc}", code="engine_failure")
     logger.error("request failed unexpectedly", exc_info=exc)

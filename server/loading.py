@@ -59,12 +59,16 @@ def load_backend(config: ServerConfig) -> Backend:
         engine,
         tokenizer,
         OrchestratorConfig(
-            max_queued_requests=config.max_queued_requests,
+            max_queued_samples=config.max_queued_samples,
             fault_injection=config.fault_injection,
         ),
     )
     orchestrator.start()
-    limits = ModelLimits(max_model_len=engine.max_model_len, max_prompt_len=engine.max_prompt_len)
+    limits = ModelLimits(
+        max_model_len=engine.max_model_len,
+        max_prompt_len=engine.max_prompt_len,
+        vocab_size=engine.vocab_size,
+    )
     return Backend(tokenizer=tokenizer, orchestrator=orchestrator, limits=limits)
 
 

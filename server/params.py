@@ -18,7 +18,6 @@ from server.config import ServerConfig
 from server.errors import APIError, bad_request
 from server.protocol import CompletionRequest, SamplingFields
 
-SEED_RANGE = 2**63
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
 
 
@@ -49,6 +48,7 @@ class ModelLimits:
 
     max_model_len: int
     max_prompt_len: int
+    vocab_size: int  # the model's (token ids and top_k are bounded by it)
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,8 @@ class GenerationPlan:
     discard_output: bool = False  # max_tokens=0: return only the (echoed) prompt
 
 
-def resolve_prompts(
-    request: CompletionRequest, tokenizer: TokenizerLike, config: ServerConfig
-) -> tuple[PromptInput, ...]:
-    """A completions `prompt` (string, strings, ids or lists of ids) as token ids."""
+def prompt_items(request: CompletionRequest, config: ServerConfig) -> list[str | list[int]]:
+    """A completions `prompt` (string, strings, ids or lists of ids) as a list of prompts."""
     prompt = request.prompt
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
@@ -89,6 +87,13 @@ def resolve_prompts(
             f"at most {config.max_prompts} prompts per request (max_prompts), got {len(items)}",
             param="prompt",
         )
+    return items
+
+
+def resolve_prompts(
+    items: Sequence[str | list[int]], tokenizer: TokenizerLike
+) -> tuple[PromptInput, ...]:
+    """Each prompt as token ids (and text, for echo)."""
     out = []
     for item in items:
         if isinstance(item, str):
@@ -135,8 +140,18 @@ def check_common(request: SamplingFields, config: ServerConfig, model_name: str)
         raise bad_request(f"n must be <= {config.max_n} (max_n), got {request.n}", param="n")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if request.seed is not None and not -SEED_RANGE <= request.seed < SEED_RANGE:
-        raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
+
+
+def check_samples(prompts: int, n: int, config: ServerConfig) -> None:
+    """400 when prompts x n exceeds what one request may hold of the admission queue."""
+    samples = prompts * n
+    limit, flag = config.request_sample_limit
+    if samples > limit:
+        raise bad_request(
+            f"a request may ask for at most {limit} samples ({flag}, counted as prompts x n), "
+            f"got {prompts} x {n} = {samples}",
+            param="n",
+        )
 
 
 def stop_strings(request: SamplingFields, config: ServerConfig) -> tuple[str, ...]:
@@ -160,13 +175,22 @@ def stop_strings(request: SamplingFields, config: ServerConfig) -> tuple[str, ..
 
 
 def sampling_params(
-    request: SamplingFields, logprobs: int | None, *, penalties_supported: bool
+    request: SamplingFields, logprobs: int | None, max_tokens: int | None, limits: ModelLimits
 ) -> SamplingParams:
-    if not penalties_supported:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name) not in (None, 0.0):
-                raise bad_request(f"{name} is not supported by this engine yet", param=name)
+    """The engine's sampling parameters; bounds that need the model are checked here."""
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
+    if top_k > limits.vocab_size:
+        raise bad_request(
+            f"top_k must be -1 or 0 (off) or at most the vocabulary size {limits.vocab_size}, "
+            f"got {top_k}",
+            param="top_k",
+        )
+    token_budget = limits.max_model_len if max_tokens is None else max_tokens
+    if request.min_tokens > token_budget:
+        raise bad_request(
+            f"min_tokens must be <= max_tokens ({token_budget}), got {request.min_tokens}",
+            param="min_tokens",
+        )
     try:
         return SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -248,8 +272,6 @@ def plan_completion(
     tokenizer: TokenizerLike,
     config: ServerConfig,
     limits: ModelLimits,
-    *,
-    penalties_supported: bool,
 ) -> GenerationPlan:
     check_common(request, config, config.model_name)
     if request.suffix:
@@ -262,8 +284,10 @@ def plan_completion(
         )
     if request.max_tokens == 0 and request.stream:
         raise bad_request("max_tokens must be >= 1 when streaming", param="max_tokens")
-    prompts = resolve_prompts(request, tokenizer, config)
-    sampling = sampling_params(request, request.logprobs, penalties_supported=penalties_supported)
+    items = prompt_items(request, config)
+    check_samples(len(items), request.n, config)
+    sampling = sampling_params(request, request.logprobs, request.max_tokens, limits)
+    prompts = resolve_prompts(items, tokenizer)
     stop = stop_strings(request, config)
     requests = build_requests(
         base_id,

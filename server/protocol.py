@@ -11,12 +11,30 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 from engine.types import MAX_LOGPROBS
 
-PromptInput = StrictStr | list[StrictStr] | list[int] | list[list[int]]
+PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 StopInput = StrictStr | list[StrictStr] | None
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit seed reaches the engine unchanged
+MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's range: [0, 2]
+MAX_PENALTY = 2.0  # presence / frequency penalties in [-2, 2]
+
+
+def _float(**bounds: float) -> Any:
+    """An optional JSON number (ints allowed, bools and strings not) that must be finite."""
+    return Field(default=None, allow_inf_nan=False, **bounds)
 
 
 class StreamOptions(BaseModel):
@@ -26,32 +44,37 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints.
+
+    Types are strict, as OpenAI's are: "5" is not a number and true is not 1.
+    Every number is bounded here or in `server.params` (where the bound needs
+    the model), so any value accepted is one the engine can hold.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    temperature: StrictFloat | None = _float(ge=0.0, le=MAX_TEMPERATURE)
+    top_p: StrictFloat | None = _float(gt=0.0, le=1.0)
+    n: StrictInt = Field(default=1, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StopInput = None
-    seed: int | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: StrictFloat | None = _float(ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: StrictFloat | None = _float(ge=-MAX_PENALTY, le=MAX_PENALTY)
     user: StrictStr | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # -1 or 0: off; <= vocab (params)
     ignore_eos: StrictBool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: StrictInt = Field(default=0, ge=0)  # <= max_tokens (params)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     # known but unsupported: rejected when they would change the output
-    logit_bias: dict[str, float] | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
+    repetition_penalty: StrictFloat | None = _float()
+    min_p: StrictFloat | None = _float()
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -75,10 +98,10 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(default=16, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: StrictInt | None = Field(default=16, ge=0)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: StrictInt | None = Field(default=None, ge=1)
     suffix: StrictStr | None = None
 
     @field_validator("prompt")
@@ -119,10 +142,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None

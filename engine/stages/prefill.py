@@ -16,7 +16,12 @@ from typing import Protocol
 from engine.stages.faults import Fault
 from engine.stages.messages import Job, PrefillDone
 from engine.stages.queues import AdmissionQueue, Credits
-from engine.types import EngineProtocol, PromptTooLongError
+from engine.types import EngineProtocol
+
+# What the engine raises for a request whose data it cannot take (a prompt too long, an id
+# out of the vocabulary, a value that does not convert to its device dtype). The server
+# validates first; these only reach here past it, and fail that request alone.
+REQUEST_ERRORS = (ValueError, OverflowError)
 
 
 class PrefixSink(Protocol):
@@ -59,12 +64,17 @@ class PrefillStage:
             prefix = self._engine.prefill(
                 request.prompt_ids, job.samplings[0], prompt_logprobs=request.prompt_logprobs
             )
-        except PromptTooLongError as exc:  # this request's fault, not the stage's
+        except REQUEST_ERRORS as exc:  # this request's fault, not the stage's
             self._reject(job, exc)
             return
         job.stream.timings.prefill_end = time.monotonic()
         for index, sampling in enumerate(job.samplings):
             if job.cancelled.is_set() or not self._credits.acquire(self._stop):
                 return
-            sample = prefix if index == 0 else self._engine.resample(prefix, sampling)
+            try:
+                sample = prefix if index == 0 else self._engine.resample(prefix, sampling)
+            except REQUEST_ERRORS as exc:
+                self._credits.release()
+                self._reject(job, exc)
+                return
             self._sink.put(PrefillDone(job, index, sample))

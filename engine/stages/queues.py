@@ -78,26 +78,42 @@ class Credits:
 class AdmissionQueue:
     """The bounded backlog of admitted requests waiting for prefill, FIFO, removable by id.
 
-    `put` never blocks: a full backlog raises Overloaded at once, which the
-    server turns into 429. `remove` lets abort drop a queued request before
-    it costs a prefill.
+    The bound counts samples (a request of n samples takes n places), so one
+    request with a large n cannot fill it alone. `put` never blocks: a full
+    backlog raises Overloaded at once, which the server turns into 429;
+    a request larger than the whole bound is a ValueError (it could never
+    be admitted). `remove` lets abort drop a queued request before it costs a
+    prefill.
     """
 
-    def __init__(self, max_jobs: int):
-        if max_jobs < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {max_jobs}")
-        self.max_jobs = max_jobs
+    def __init__(self, max_samples: int):
+        if max_samples < 1:
+            raise ValueError(f"max_queued_samples must be >= 1, got {max_samples}")
+        self.max_samples = max_samples
         self._jobs: deque[Job] = deque()
+        self._samples = 0
         self._cond = threading.Condition()
 
     def __len__(self) -> int:
         return len(self._jobs)
 
+    @property
+    def samples(self) -> int:
+        """Samples waiting (each queued request counts its n)."""
+        return self._samples
+
     def put(self, job: Job) -> None:
+        n = job.request.n
+        if n > self.max_samples:
+            raise ValueError(
+                f"n={n} is more samples than the whole admission queue holds "
+                f"(max_queued_samples={self.max_samples})"
+            )
         with self._cond:
-            if len(self._jobs) >= self.max_jobs:
-                raise Overloaded(len(self._jobs))
+            if self._samples + n > self.max_samples:
+                raise Overloaded(self._samples)
             self._jobs.append(job)
+            self._samples += n
             self._cond.notify()
 
     def get(self, stop: threading.Event) -> Job | None:
@@ -106,7 +122,9 @@ class AdmissionQueue:
                 if stop.is_set():
                     return None
                 self._cond.wait(POLL_S)
-            return self._jobs.popleft()
+            job = self._jobs.popleft()
+            self._samples -= job.request.n
+            return job
 
     def remove(self, job: Job) -> bool:
         """Take a job out if it is still waiting; False if prefill already has it."""
@@ -114,6 +132,7 @@ class AdmissionQueue:
             for i, waiting in enumerate(self._jobs):
                 if waiting is job:
                     del self._jobs[i]
+                    self._samples -= job.request.n
                     return True
         return False
 
@@ -121,4 +140,5 @@ class AdmissionQueue:
         with self._cond:
             jobs = list(self._jobs)
             self._jobs.clear()
+            self._samples = 0
             return jobs

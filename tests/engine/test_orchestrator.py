@@ -69,7 +69,7 @@ def test_many_requests_get_their_exact_tokens_in_order_under_random_delays(run: 
         delays=FakeDelays(prefill=(0, 0.002), insert=(0, 0.0005), generate=(0, 0.001)),
         seed=run,
     )
-    config = OrchestratorConfig(max_queued_requests=256, prefill_queue_size=3)
+    config = OrchestratorConfig(max_queued_samples=256, prefill_queue_size=3)
     o = make(engine, config, FakeTokenizer(delay_s=0.0002))
     o.start()
     try:

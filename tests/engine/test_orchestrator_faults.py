@@ -121,7 +121,7 @@ def test_fifty_aborts_in_random_states_leave_nothing_running() -> None:
         delays=FakeDelays(prefill=(0, 0.002), generate=(0.0002, 0.001)),
         seed=7,
     )
-    o = make(engine, OrchestratorConfig(max_queued_requests=128, prefill_queue_size=2))
+    o = make(engine, OrchestratorConfig(max_queued_samples=128, prefill_queue_size=2))
     try:
         streams = {}
         for i in range(100):
@@ -151,7 +151,7 @@ def test_fifty_aborts_in_random_states_leave_nothing_running() -> None:
 
 def test_submit_beyond_the_queue_bound_raises_overloaded_at_once() -> None:
     engine = GatedEngine(max_slots=2)
-    o = make(engine, OrchestratorConfig(max_queued_requests=3))
+    o = make(engine, OrchestratorConfig(max_queued_samples=3))
     try:
         admitted = [o.submit(request("r0", (1,)))]
         wait_for(lambda: o.stats().queued_requests == 0)  # r0 is inside prefill

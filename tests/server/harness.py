@@ -39,7 +39,7 @@ def make_config(model: Path, **overrides: object) -> ServerConfig:
         "max_slots": SLOTS,
         "max_model_len": MAX_MODEL_LEN,
         "prefill_buckets": (32, 64),
-        "max_queued_requests": 32,
+        "max_queued_samples": 64,
         "sse_ping_interval": 0.5,
     }
     base.update(overrides)

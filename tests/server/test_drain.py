@@ -44,18 +44,22 @@ class TextTokenizer(FakeTokenizer):
         return self.token_text(token_id).encode()
 
 
-def fake_backend(step_s: float, max_queued_requests: int = 64) -> Backend:
+def fake_backend(step_s: float, max_queued_samples: int = 64) -> Backend:
     delays = FakeDelays(generate=(step_s, step_s))
     engine = FakeEngine(max_slots=2, max_model_len=256, delays=delays)
     tokenizer = TextTokenizer()
     orchestrator = Orchestrator(
         engine,
         tokenizer,
-        OrchestratorConfig(max_queued_requests=max_queued_requests),
+        OrchestratorConfig(max_queued_samples=max_queued_samples),
         new_detokenizer=tokenizer.detokenizer,
     )
     orchestrator.start()
-    limits = ModelLimits(max_model_len=engine.max_model_len, max_prompt_len=engine.max_prompt_len)
+    limits = ModelLimits(
+        max_model_len=engine.max_model_len,
+        max_prompt_len=engine.max_prompt_len,
+        vocab_size=engine.vocab_size,
+    )
     return Backend(tokenizer=tokenizer, orchestrator=orchestrator, limits=limits)
 
 
@@ -135,7 +139,7 @@ def test_drain_waits_for_short_streams(slow_server: LiveServer) -> None:
 
 def test_overload_is_429_with_retry_after(tmp_path: Path) -> None:
     def loader() -> Backend:
-        return fake_backend(0.05, max_queued_requests=1)
+        return fake_backend(0.05, max_queued_samples=1)
 
     with serve_in_thread(make_config(tmp_path, max_model_len=256), loader=loader) as server:
         url = server.v1 + "/completions"

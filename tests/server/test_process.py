@@ -270,7 +270,8 @@ def test_second_sigterm_exits_at_once_instead_of_draining(
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "server", "--model", str(tiny_checkpoint), "--host",
-             "127.0.0.1", "--port", str(port), "--drain-timeout", "300", *SHAPE_FLAGS],
+             "127.0.0.1", "--port", str(port), "--drain-timeout", "300",
+             "--max-queued-samples", "512", *SHAPE_FLAGS],
             cwd=str(REPO_ROOT), env={**_environ(), "PYTHONPATH": str(REPO_ROOT)},
             stdout=log_file, stderr=subprocess.STDOUT,
         )  # fmt: skip
