@@ -29,7 +29,7 @@ from typing import Any
 
 from engine.fake import FakeEngine, FakeTokenizer
 from engine.orchestrator import Orchestrator, OrchestratorConfig
-from engine.request import ActiveRequest, RequestStream
+from engine.request import ActiveRequest, Delta, RequestStream
 from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -82,23 +82,16 @@ def orchestrator_tok_s(engine: Any, tokenizer: Any, max_tokens: int, **kw: Any) 
             )
             for i in range(engine.max_slots)
         ]
-        for stream in streams:
-            stream.collect(timeout=3600)
+        deltas = [stream.collect(timeout=3600) for stream in streams]
     finally:
         orch.stop()
-    return _full_occupancy_rate(streams)
+    return _full_occupancy_rate(streams, deltas)
 
 
-def _full_occupancy_rate(streams: list[RequestStream]) -> float:
+def _full_occupancy_rate(streams: list[RequestStream], deltas: list[list[Delta]]) -> float:
     start = max(s.timings.first_token or 0.0 for s in streams)
     end = min(s.timings.finished or 0.0 for s in streams)
-    tokens = sum(
-        1
-        for s in streams
-        for times in s.timings.token_times.values()
-        for t in times
-        if start < t <= end
-    )
+    tokens = sum(1 for ds in deltas for d in ds if start < d.emitted <= end)
     if end <= start or tokens == 0:
         raise RuntimeError("no window with every slot busy: raise --max-tokens")
     return tokens / (end - start)

@@ -8,8 +8,8 @@ admission queue and the lifecycle (running, draining, stopped, dead).
 Disaggregated mode (prefill and generate on different devices, a later
 issue) adds a transfer stage between prefill and generate: it becomes the
 prefill stage's PrefixSink, moves each Prefix's KV to the generate devices
-and forwards the PrefillDone to the generate inbox; `transfer_queue_depth`
-reports its backlog. With shared devices there is no transfer stage.
+and forwards the PrefillDone to the generate inbox (and its backlog becomes a
+queue-depth gauge). With shared devices there is no transfer stage.
 """
 
 from __future__ import annotations
@@ -84,7 +84,6 @@ class OrchestratorStats:
 
     queued_requests: int  # admitted, waiting for prefill
     prefill_queue_depth: int  # prefilled samples waiting for a slot
-    transfer_queue_depth: int  # prefixes waiting for a transfer (0: no transfer stage)
     detokenize_queue_depth: int  # messages the detokenize stage has not read yet
     running_requests: int  # admitted and past the admission queue, not yet ended
     slots_in_use: int
@@ -227,16 +226,6 @@ class Orchestrator:
         return self._error is None
 
     @property
-    def ready(self) -> bool:
-        """True while new requests are admitted."""
-        return self._started and self.alive and not self._draining and not self._stopped
-
-    @property
-    def engine(self) -> EngineProtocol:
-        """The engine served (its max_model_len, max_slots and buckets bound requests)."""
-        return self._engine
-
-    @property
     def error(self) -> BaseException | None:
         return self._error
 
@@ -298,7 +287,6 @@ class Orchestrator:
         return OrchestratorStats(
             queued_requests=queued,
             prefill_queue_depth=self._credits.in_use,
-            transfer_queue_depth=0,
             detokenize_queue_depth=self._detokenize_inbox.qsize(),
             running_requests=max(0, len(self._jobs) - queued),
             slots_in_use=self._generate.slots_in_use,

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.types import EngineError, SamplingParams, TokenLogprobs
 
@@ -85,6 +85,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int  # cumulative for this sample
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # first delta only
+    emitted: float = 0.0  # time.monotonic() when the detokenize stage pushed it
 
 
 @dataclass
@@ -100,7 +101,6 @@ class RequestTimings:
     prefill_end: float | None = None
     inserted: float | None = None  # first sample got a slot
     first_token: float | None = None
-    token_times: dict[int, list[float]] = field(default_factory=dict)  # per sample index
     finished: float | None = None
 
     @property

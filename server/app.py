@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -20,15 +20,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator import Instrumentator
 
 from server import chat, completions
+from server.backend import Backend
 from server.config import ServerConfig
 from server.errors import APIError, install_error_handlers
-from server.exchange import Exchange, log_of, until_disconnect
+from server.generation import Generation, Shaper, log_of, until_disconnect
 from server.jsonbody import StrictJSONRoute
-from server.lifecycle import Backend, Runtime
+from server.lifecycle import Runtime
 from server.metrics import EngineMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
 from server.openapi import document_api
-from server.params import plan_completion
+from server.params import GenerationPlan, plan_completion
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.streaming import sse_response
 
@@ -133,17 +134,17 @@ def _add_routes(
             )
         return model_card()
 
-    def streamed(events: AsyncIterator[bytes], exchange: Exchange) -> Response:
-        return sse_response(events, ping_interval=config.sse_ping_interval, cleanup=exchange.close)
-
-    async def whole(
-        request: Request, work: Awaitable[dict[str, Any]], exchange: Exchange
+    async def respond(
+        request: Request, backend: Backend, plan: GenerationPlan, shaper: Shaper
     ) -> Response:
-        try:
-            result = await until_disconnect(request, work)
-        finally:
-            await exchange.close()
-        return JSONResponse(result)
+        generation = Generation(runtime, backend, plan, metrics, log_of(request))
+        if plan.stream:
+            return sse_response(
+                generation.stream(shaper),
+                ping_interval=config.sse_ping_interval,
+                cleanup=generation.close,  # also when the client left before the first byte
+            )
+        return JSONResponse(await until_disconnect(request, generation.complete(shaper)))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -152,13 +153,10 @@ def _add_routes(
         plan = await off_loop(
             plan_completion, response_id, body, backend.tokenizer, config, backend.limits
         )
-        exchange = Exchange(runtime, backend, plan, metrics, log_of(request))
         shaper = completions.CompletionShaper(
             plan, backend.tokenizer, config.model_name, response_id
         )
-        if plan.stream:
-            return streamed(completions.stream(exchange, shaper), exchange)
-        return await whole(request, completions.complete(exchange, shaper), exchange)
+        return await respond(request, backend, plan, shaper)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -167,8 +165,5 @@ def _add_routes(
         plan = await off_loop(
             chat.plan_chat, response_id, body, backend.tokenizer, config, backend.limits
         )
-        exchange = Exchange(runtime, backend, plan, metrics, log_of(request))
         shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)
-        if plan.stream:
-            return streamed(chat.stream(exchange, shaper), exchange)
-        return await whole(request, chat.complete(exchange, shaper), exchange)
+        return await respond(request, backend, plan, shaper)

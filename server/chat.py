@@ -7,22 +7,17 @@ top_logprobs.
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from engine.request import Delta
 from engine.types import TokenLogprobs
+from server.backend import ModelLimits, TokenizerClient
 from server.config import ServerConfig
-from server.errors import APIError, bad_request
-from server.exchange import Exchange
-from server.generation import failure_error
+from server.errors import bad_request
+from server.generation import PromptDelta
 from server.params import (
     GenerationPlan,
-    ModelLimits,
     PromptInput,
-    TokenizerLike,
     build_requests,
     check_common,
     check_samples,
@@ -31,10 +26,10 @@ from server.params import (
     stop_strings,
 )
 from server.protocol import ChatCompletionRequest
-from server.streaming import DONE, encode_event, error_event
+from server.shaping import ResponseShaper
 
 
-def render_prompt(request: ChatCompletionRequest, tokenizer: Any) -> PromptInput:
+def render_prompt(request: ChatCompletionRequest, tokenizer: TokenizerClient) -> PromptInput:
     """The conversation as prompt token ids, rendered with the chat template."""
     try:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
@@ -53,7 +48,7 @@ def render_prompt(request: ChatCompletionRequest, tokenizer: Any) -> PromptInput
 def plan_chat(
     base_id: str,
     request: ChatCompletionRequest,
-    tokenizer: Any,
+    tokenizer: TokenizerClient,
     config: ServerConfig,
     limits: ModelLimits,
 ) -> GenerationPlan:
@@ -95,7 +90,7 @@ def plan_chat(
     )
 
 
-def _entry(tokenizer: TokenizerLike, token_id: int, logprob: float) -> dict[str, Any]:
+def _entry(tokenizer: TokenizerClient, token_id: int, logprob: float) -> dict[str, Any]:
     return {
         "token": tokenizer.token_text(token_id),
         "logprob": finite(logprob),
@@ -104,7 +99,10 @@ def _entry(tokenizer: TokenizerLike, token_id: int, logprob: float) -> dict[str,
 
 
 def chat_logprobs(
-    tokenizer: TokenizerLike, token_ids: tuple[int, ...], lps: tuple[TokenLogprobs, ...], top_n: int
+    tokenizer: TokenizerClient,
+    token_ids: tuple[int, ...],
+    lps: tuple[TokenLogprobs, ...],
+    top_n: int,
 ) -> list[dict[str, Any]]:
     content = []
     for token_id, lp in zip(token_ids, lps, strict=True):
@@ -120,22 +118,34 @@ class ChatChoice:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[dict[str, Any]] | None = None
-    pieces: list[str] = field(default_factory=list)
 
 
-class ChatShaper:
-    def __init__(
-        self, plan: GenerationPlan, tokenizer: TokenizerLike, model: str, response_id: str
-    ):
-        self.plan = plan
-        self.tokenizer = tokenizer
-        self.model = model
-        self.id = response_id
-        self.created = int(time.time())
-        self.choices = {k: ChatChoice(index=k) for k in range(plan.n)}
+class ChatShaper(ResponseShaper):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
 
-    def apply(self, delta: Delta) -> tuple[ChatChoice, list[dict[str, Any]] | None]:
-        choice = self.choices[delta.index]
+    def new_states(self, plan: GenerationPlan) -> dict[int, ChatChoice]:
+        return {k: ChatChoice(index=k) for k in range(plan.n)}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """A first chunk per choice whose delta carries the role, as OpenAI streams it."""
+        return [
+            self.chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for index in range(self.plan.n)
+        ]
+
+    def apply(self, item: PromptDelta) -> dict[str, Any] | None:
+        delta = item.delta
+        choice = self.states[delta.index]
         choice.text += delta.text
         new_logprobs = None
         if self.plan.logprobs is not None and delta.logprobs is not None:
@@ -145,96 +155,26 @@ class ChatShaper:
             choice.logprobs = (choice.logprobs or []) + new_logprobs
         elif self.plan.logprobs is not None and choice.logprobs is None:
             choice.logprobs = []
-        if delta.finish_reason is not None:
-            choice.finish_reason = delta.finish_reason
-        return choice, new_logprobs
-
-    def usage(self, completion_tokens: int) -> dict[str, int]:
-        prompt_tokens = len(self.plan.prompts[0].ids)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.plan.include_usage:
-            body["usage"] = None
-        return body
-
-    def role_chunk(self, index: int) -> dict[str, Any]:
-        choice = {
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return self._envelope([choice])
-
-    def chunk(self, choice: ChatChoice, text: str, logprobs: Any, finish: str | None) -> dict:
-        delta = {"content": text} if text or finish is None else {}
+        finish = delta.finish_reason
+        if finish is not None:
+            choice.finish_reason = finish
+        if not (delta.text or finish is not None or new_logprobs):
+            return None
         entry = {
             "index": choice.index,
-            "delta": delta,
-            "logprobs": {"content": logprobs} if logprobs is not None else None,
+            "delta": {"content": delta.text} if delta.text or finish is None else {},
+            "logprobs": {"content": new_logprobs} if new_logprobs is not None else None,
             "finish_reason": finish,
         }
-        return self._envelope([entry])
+        return self.chunk([entry])
 
-    def response(self, completion_tokens: int) -> dict[str, Any]:
-        choices = [
+    def choices(self) -> list[dict[str, Any]]:
+        return [
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": {"content": c.logprobs} if c.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
             }
-            for c in self.choices.values()
+            for c in self.states.values()
         ]
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(completion_tokens),
-        }
-
-
-async def complete(exchange: Exchange, shaper: ChatShaper) -> dict[str, Any]:
-    try:
-        async for item in exchange.deltas():
-            shaper.apply(item.delta)
-    except APIError:
-        raise
-    except Exception as exc:
-        raise failure_error(exc) from exc
-    return shaper.response(exchange.log.completion_tokens)
-
-
-async def stream(exchange: Exchange, shaper: ChatShaper) -> AsyncIterator[bytes]:
-    try:
-        for index in range(shaper.plan.n):
-            yield encode_event(shaper.role_chunk(index))
-        async for item in exchange.deltas():
-            choice, logprobs = shaper.apply(item.delta)
-            finish = item.delta.finish_reason
-            if item.delta.text or finish is not None or logprobs:
-                yield encode_event(shaper.chunk(choice, item.delta.text, logprobs, finish))
-        if shaper.plan.include_usage:
-            body = shaper._envelope([])
-            body["usage"] = shaper.usage(exchange.log.completion_tokens)
-            yield encode_event(body)
-    except Exception as exc:
-        error = exc if isinstance(exc, APIError) else failure_error(exc)
-        yield error_event(error)
-    finally:
-        await exchange.close()
-    yield DONE

@@ -9,18 +9,15 @@ only the prompt, as lm-eval's log-likelihood requests expect.
 from __future__ import annotations
 
 import codecs
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.request import Delta
 from engine.types import TokenLogprobs
-from server.errors import APIError
-from server.exchange import Exchange
-from server.generation import failure_error
-from server.params import GenerationPlan, PromptInput, TokenizerLike, finite
-from server.streaming import DONE, encode_event, error_event
+from server.backend import TokenizerClient
+from server.generation import PromptDelta
+from server.params import GenerationPlan, PromptInput, finite
+from server.shaping import ResponseShaper
 
 
 @dataclass
@@ -34,7 +31,7 @@ class CompletionLogprobs:
 
     def add(
         self,
-        tokenizer: TokenizerLike,
+        tokenizer: TokenizerClient,
         token_id: int,
         lp: TokenLogprobs | None,
         top_n: int,
@@ -53,6 +50,12 @@ class CompletionLogprobs:
             top.setdefault(text, finite(lp.logprob))
             self.top_logprobs.append(top)
 
+    def extend(self, other: CompletionLogprobs) -> None:
+        self.tokens.extend(other.tokens)
+        self.token_logprobs.extend(other.token_logprobs)
+        self.top_logprobs.extend(other.top_logprobs)
+        self.text_offset.extend(other.text_offset)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
@@ -66,7 +69,7 @@ class TextOffsets:
     """Character offset of each token in decoded text: special tokens add nothing, and a
     token that ends inside a multi-byte character starts where that character starts."""
 
-    def __init__(self, tokenizer: TokenizerLike, start: int = 0):
+    def __init__(self, tokenizer: TokenizerClient, start: int = 0):
         self._tokenizer = tokenizer
         self._special = getattr(tokenizer, "special_token_ids", frozenset())
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -93,26 +96,23 @@ class ChoiceState:
     offsets: TextOffsets | None = None  # of generated tokens, when logprobs are asked
 
 
-class CompletionShaper:
+class CompletionShaper(ResponseShaper):
     """Turns deltas into choices and chunks; pure apart from the tokenizer's lookups."""
 
-    def __init__(
-        self, plan: GenerationPlan, tokenizer: TokenizerLike, model: str, response_id: str
-    ):
-        self.plan = plan
-        self.tokenizer = tokenizer
-        self.model = model
-        self.id = response_id
-        self.created = int(time.time())
-        self.choices = {
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+
+    def new_states(self, plan: GenerationPlan) -> dict[int, ChoiceState]:
+        """Choice index = prompt_index * n + sample index, as vLLM numbers them."""
+        return {
             p * plan.n + k: ChoiceState(index=p * plan.n + k, prompt=prompt)
             for p, prompt in enumerate(plan.prompts)
             for k in range(plan.n)
         }
 
-    def apply(self, prompt_index: int, delta: Delta) -> tuple[ChoiceState, str, Any]:
-        """Fold a delta into its choice; returns (choice, new text, new logprobs dict or None)."""
-        choice = self.choices[prompt_index * self.plan.n + delta.index]
+    def apply(self, item: PromptDelta) -> dict[str, Any] | None:
+        delta = item.delta
+        choice = self.states[item.prompt_index * self.plan.n + delta.index]
         piece = CompletionLogprobs() if self.plan.logprobs is not None else None
         new_text = ""
         if not choice.started:
@@ -132,12 +132,21 @@ class CompletionShaper:
         if delta.finish_reason is not None:
             choice.finish_reason = "length" if self.plan.discard_output else delta.finish_reason
         choice.text += new_text
+        logprobs = None
         if piece is not None:
             if choice.logprobs is None:
                 choice.logprobs = CompletionLogprobs()
-            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(choice.logprobs, name).extend(getattr(piece, name))
-        return choice, new_text, piece.as_dict() if piece is not None else None
+            choice.logprobs.extend(piece)
+            logprobs = piece.as_dict()
+        if not (new_text or delta.finish_reason is not None or logprobs):
+            return None
+        entry = {
+            "index": choice.index,
+            "text": new_text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+        }
+        return self.chunk([entry])
 
     def _add_prompt_logprobs(
         self, piece: CompletionLogprobs, choice: ChoiceState, delta: Delta
@@ -147,83 +156,13 @@ class CompletionShaper:
         for token_id, lp in zip(choice.prompt.ids, entries, strict=False):
             piece.add(self.tokenizer, token_id, lp, self.plan.logprobs or 0, offsets.next(token_id))
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
-        prompt_tokens = sum(len(p.ids) for p in self.plan.prompts)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-
-    def chunk(self, choice: ChoiceState, text: str, logprobs: Any, finish: str | None) -> dict:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            ],
-        }
-        if self.plan.include_usage:
-            body["usage"] = None
-        return body
-
-    def response(self, completion_tokens: int) -> dict[str, Any]:
-        choices = [
+    def choices(self) -> list[dict[str, Any]]:
+        return [
             {
                 "index": c.index,
                 "text": c.text,
                 "logprobs": c.logprobs.as_dict() if c.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
             }
-            for c in sorted(self.choices.values(), key=lambda c: c.index)
+            for c in sorted(self.states.values(), key=lambda c: c.index)
         ]
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(completion_tokens),
-        }
-
-
-async def complete(exchange: Exchange, shaper: CompletionShaper) -> dict[str, Any]:
-    """Collect a whole response (non-streaming)."""
-    try:
-        async for item in exchange.deltas():
-            shaper.apply(item.prompt_index, item.delta)
-    except APIError:
-        raise
-    except Exception as exc:
-        raise failure_error(exc) from exc
-    return shaper.response(exchange.log.completion_tokens)
-
-
-async def stream(exchange: Exchange, shaper: CompletionShaper) -> AsyncIterator[bytes]:
-    """SSE chunks, then the usage chunk when asked, then [DONE]; errors as an event."""
-    try:
-        async for item in exchange.deltas():
-            choice, text, logprobs = shaper.apply(item.prompt_index, item.delta)
-            finish = item.delta.finish_reason
-            if text or finish is not None or logprobs:
-                yield encode_event(shaper.chunk(choice, text, logprobs, choice.finish_reason))
-        if shaper.plan.include_usage:
-            usage = shaper.usage(exchange.log.completion_tokens)
-            yield encode_event(
-                {
-                    "id": shaper.id,
-                    "object": "text_completion",
-                    "created": shaper.created,
-                    "model": shaper.model,
-                    "choices": [],
-                    "usage": usage,
-                }
-            )
-    except Exception as exc:
-        error = exc if isinstance(exc, APIError) else failure_error(exc)
-        yield error_event(error)
-    finally:
-        await exchange.close()
-    yield DONE

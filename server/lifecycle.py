@@ -16,39 +16,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from engine.request import RequestStream
+from server.backend import Backend
 from server.errors import APIError
-from server.params import ModelLimits, TokenizerLike
 
 logger = logging.getLogger(__name__)
 
-
-class OrchestratorControl(Protocol):
-    """What the runtime and the handlers need of the orchestrator."""
-
-    def submit(self, request: Any) -> RequestStream: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def drain(self, timeout: float) -> bool: ...
-
-    def stop(self) -> None: ...
-
-    def stats(self) -> Any: ...
-
-    def add_failure_listener(self, listener: Callable[..., None]) -> None: ...
-
-
-@dataclass(frozen=True)
-class Backend:
-    """A loaded, warmed-up model behind a started orchestrator."""
-
-    tokenizer: TokenizerLike
-    orchestrator: OrchestratorControl
-    limits: ModelLimits
+# After the orchestrator has drained, the handlers still hold the last bytes of their
+# responses (the final chunk, [DONE]); this is how long they get to send them.
+SEND_LAST_BYTES_S = 2.0
+# After a drain that timed out, the orchestrator has failed the open requests; their
+# handlers get this long to turn that into error events before drain_expired cuts them.
+SEND_FAILURES_S = 1.0
 
 
 class State(enum.Enum):
@@ -137,8 +117,7 @@ class Runtime:
         """Liveness: the process and every stage are alive (loading counts as alive)."""
         if self.state is State.FAILED:
             return False
-        orchestrator = self.backend.orchestrator if self.backend else None
-        return orchestrator is None or bool(getattr(orchestrator, "alive", True))
+        return self.backend is None or self.backend.orchestrator.alive
 
     @property
     def ready(self) -> bool:
@@ -191,12 +170,14 @@ class Runtime:
         if self.backend is not None and self.state is not State.FAILED:
             drained = await asyncio.to_thread(self.backend.orchestrator.drain, timeout)
         try:
-            await asyncio.wait_for(self._idle.wait(), 2.0 if drained else 1.0)
+            await asyncio.wait_for(
+                self._idle.wait(), SEND_LAST_BYTES_S if drained else SEND_FAILURES_S
+            )
         except asyncio.TimeoutError:
             drained = False
             self.drain_expired.set()
             try:
-                await asyncio.wait_for(self._idle.wait(), 2.0)
+                await asyncio.wait_for(self._idle.wait(), SEND_LAST_BYTES_S)
             except asyncio.TimeoutError:
                 logger.warning("requests still open after the drain timeout")
         logger.info("drain finished", extra={"drained": drained})

@@ -9,9 +9,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from server.backend import Backend, ModelLimits
 from server.config import ServerConfig
-from server.lifecycle import Backend
-from server.params import ModelLimits
 
 logger = logging.getLogger(__name__)
 

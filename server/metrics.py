@@ -54,7 +54,7 @@ class _StatsCollector(Collector):
             running.add_metric(name, stats.running_requests)
             waiting.add_metric(name, stats.queued_requests)
             ratio.add_metric(name, stats.slots_in_use / max(1, stats.max_slots))
-            for stage in ("prefill", "transfer", "detokenize"):
+            for stage in ("prefill", "detokenize"):
                 value = getattr(stats, f"{stage}_queue_depth")
                 depth.add_metric([self._model_name, stage], value)
         yield from (running, waiting, ratio, depth)
@@ -110,8 +110,8 @@ class EngineMetrics:
         )
         registry.register(_StatsCollector(model_name, read_stats))
 
-    def observe_timings(self, timings: RequestTimings) -> None:
-        """One finished orchestrator request (one prompt, all its samples)."""
+    def observe_first_token(self, timings: RequestTimings) -> None:
+        """A prompt's first token reached the server: its queue, prefill and TTFT, at once."""
         name = self.model_name
         if timings.queue_s is not None:
             self.queue.labels(name).observe(timings.queue_s)
@@ -119,11 +119,15 @@ class EngineMetrics:
             self.prefill.labels(name).observe(timings.prefill_end - timings.prefill_start)
         if timings.ttft_s is not None:
             self.ttft.labels(name).observe(timings.ttft_s)
-        for times in timings.token_times.values():  # per sample: n > 1 samples interleave
-            for earlier, later in zip(times, times[1:], strict=False):
-                self.itl.labels(name).observe(max(0.0, later - earlier))
+
+    def observe_inter_token(self, seconds: float) -> None:
+        """The gap between two tokens of one sample, as each arrives."""
+        self.itl.labels(self.model_name).observe(max(0.0, seconds))
+
+    def observe_end(self, timings: RequestTimings) -> None:
+        """A prompt's stream ended (all its samples)."""
         if timings.e2e_s is not None:
-            self.e2e.labels(name).observe(timings.e2e_s)
+            self.e2e.labels(self.model_name).observe(timings.e2e_s)
 
     def observe_sample(self, finish_reason: str, completion_tokens: int) -> None:
         self.finished.labels(self.model_name, finish_reason).inc()

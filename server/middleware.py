@@ -1,11 +1,14 @@
-"""ASGI middleware: request ids and access logs, body size limit, API key.
+"""ASGI middleware: request ids and access logs, API key, body size and time limits.
 
 Pure ASGI (no BaseHTTPMiddleware) so streamed responses pass through
 untouched and the access log is written when the last byte has gone out.
+Order, outermost first: RequestLog (sees every response), ApiKey (refuses a
+stranger before a byte of the body is read), BodyLimit (reads the body).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -17,15 +20,20 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
-from server.exchange import RequestLog
+from server.generation import RequestLog
 
 logger = logging.getLogger("server.access")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+LOGGED_PATH_CHARS = 512  # a longer path is cut in the access log (the formatter escapes it)
+CLIENT_CLOSED = 499  # nginx's status for "the client went away before the response ended"
+_CLOSE = [(b"connection", b"close")]
 
 
 async def _send_error(send: Send, error: APIError, extra_headers: list | None = None) -> None:
+    """An OpenAI error body; with `connection: close` in `extra_headers` the server then
+    hangs up instead of reading (and discarding) a body nobody wants."""
     body = json.dumps(error.body()).encode("utf-8")
     headers = [
         (b"content-type", b"application/json"),
@@ -43,7 +51,11 @@ async def _send_error(send: Send, error: APIError, extra_headers: list | None = 
 
 
 class RequestLogMiddleware:
-    """Takes X-Request-Id from the request (or makes one), returns it, logs one line per request."""
+    """Takes X-Request-Id from the request (or makes one), returns it, logs one line per request.
+
+    A request whose client disconnected before the response's last byte is logged with
+    status 499, whatever status its response had started with (a cut stream too).
+    """
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -60,9 +72,18 @@ class RequestLogMiddleware:
         state["generation_log"] = log = RequestLog()
         status = 500
         first_byte: float | None = None
+        completed = False  # the response's last body message has been sent
+        client_gone = False  # the client disconnected before that
+
+        async def receive_watching() -> Message:
+            nonlocal client_gone
+            message = await receive()
+            if message["type"] == "http.disconnect" and not completed:
+                client_gone = True
+            return message
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, first_byte
+            nonlocal status, first_byte, completed
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message = dict(message)
@@ -72,17 +93,19 @@ class RequestLogMiddleware:
                 ]
                 first_byte = time.monotonic()
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                completed = True
 
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive_watching, send_with_id)
         finally:
             path = scope.get("path", "")
             if path not in OPEN_PATHS:
                 fields: dict[str, Any] = {
                     "request_id": request_id,
                     "method": scope.get("method"),
-                    "path": path,
-                    "status": status,
+                    "path": path[:LOGGED_PATH_CHARS],
+                    "status": CLIENT_CLOSED if client_gone else status,
                     "duration_s": round(time.monotonic() - started, 4),
                 }
                 if log.prompt_tokens:
@@ -98,11 +121,17 @@ class RequestLogMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Reads a request body up to `max_bytes`; larger is a 400 naming the limit."""
+    """Reads a request body up to `max_bytes` within `read_timeout_s` of the headers.
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    Larger is a 400 naming the limit, slower a 408; both close the connection, so
+    the rest of the body is never read. A body that drips in a byte at a time
+    meets the same deadline as one that stalls.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
@@ -116,23 +145,24 @@ class BodyLimitMiddleware:
         )
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_error(send, too_large)
+            await _send_error(send, too_large, _CLOSE)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await _send_error(send, too_large)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.read_timeout_s)
+        except asyncio.TimeoutError:
+            too_slow = APIError(
+                408,
+                f"request body not received within {self.read_timeout_s:g} s (body_read_timeout)",
+                param="body",
+                code="request_timeout",
+            )
+            await _send_error(send, too_slow, _CLOSE)
+            return
+        except _BodyTooLarge:
+            await _send_error(send, too_large, _CLOSE)
+            return
+        if body is None:
+            return  # the client left
         replayed = False
 
         async def replay() -> Message:
@@ -144,9 +174,33 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The whole body, or None when the client disconnects first."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
 
 class ApiKeyMiddleware:
-    """Every route but the probes and /metrics needs `Authorization: Bearer <key>`."""
+    """Every route but the probes and /metrics needs `Authorization: Bearer <key>`.
+
+    It runs before the body is read: a refused client is answered at once and the
+    connection closed, so a stranger cannot hold a connection open with a slow body.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -163,7 +217,7 @@ class ApiKeyMiddleware:
                 "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
             )
-            await _send_error(send, error, [(b"www-authenticate", b"Bearer")])
+            await _send_error(send, error, [(b"www-authenticate", b"Bearer"), *_CLOSE])
             return
         await self.app(scope, receive, send)
 

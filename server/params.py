@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from engine.request import ActiveRequest
 from engine.types import SamplingParams
+from server.backend import ModelLimits, TokenizerClient
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
 from server.protocol import CompletionRequest, SamplingFields
@@ -24,31 +24,6 @@ NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
 def finite(logprob: float) -> float:
     """A logprob JSON can carry: -inf (and NaN) become NEG_INF_LOGPROB."""
     return logprob if math.isfinite(logprob) else NEG_INF_LOGPROB
-
-
-class TokenizerLike(Protocol):
-    """The tokenizer methods the server uses (tokenization.Tokenizer implements it)."""
-
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-    def validate_ids(self, ids: Sequence[int]) -> None: ...
-
-    def token_text(self, token_id: int) -> str: ...
-
-    def token_bytes(self, token_id: int) -> bytes: ...
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the loaded engine can take; filled from the engine after loading."""
-
-    max_model_len: int
-    max_prompt_len: int
-    vocab_size: int  # the model's (token ids and top_k are bounded by it)
 
 
 @dataclass(frozen=True)
@@ -91,7 +66,7 @@ def prompt_items(request: CompletionRequest, config: ServerConfig) -> list[str |
 
 
 def resolve_prompts(
-    items: Sequence[str | list[int]], tokenizer: TokenizerLike
+    items: Sequence[str | list[int]], tokenizer: TokenizerClient
 ) -> tuple[PromptInput, ...]:
     """Each prompt as token ids (and text, for echo)."""
     out = []
@@ -105,7 +80,7 @@ def resolve_prompts(
     return tuple(out)
 
 
-def _encode(tokenizer: TokenizerLike, text: str) -> list[int]:
+def _encode(tokenizer: TokenizerClient, text: str) -> list[int]:
     try:
         ids = tokenizer.encode(text)
     except ValueError as exc:
@@ -115,7 +90,7 @@ def _encode(tokenizer: TokenizerLike, text: str) -> list[int]:
     return ids
 
 
-def check_token_ids(tokenizer: TokenizerLike, ids: Sequence[int], param: str) -> None:
+def check_token_ids(tokenizer: TokenizerClient, ids: Sequence[int], param: str) -> None:
     if not ids:
         raise bad_request(f"{param} must contain at least one token", param=param)
     try:
@@ -235,7 +210,7 @@ def build_requests(
     stop: tuple[str, ...],
     prompt_logprobs: bool,
     limits: ModelLimits,
-    tokenizer: TokenizerLike,
+    tokenizer: TokenizerClient,
     prompt_param: str,
 ) -> tuple[ActiveRequest, ...]:
     """One ActiveRequest per prompt; max_tokens 0 runs one token that is then discarded."""
@@ -269,7 +244,7 @@ def build_requests(
 def plan_completion(
     base_id: str,
     request: CompletionRequest,
-    tokenizer: TokenizerLike,
+    tokenizer: TokenizerClient,
     config: ServerConfig,
     limits: ModelLimits,
 ) -> GenerationPlan:

@@ -1,10 +1,10 @@
 """The tokenizer of one checkpoint: text <-> ids, EOS ids, chat template, token bytes.
 
 Owns: the fast Hugging Face tokenizer loaded from a local checkpoint folder (never a
-hub) and everything derived from it once at load. Shared read-only by the server's
-request threads and the orchestrator's stages: encode and decode go straight to the
-Rust tokenizer, whose settings are never changed after load, so threads never race
-on it.
+hub) and everything derived from it once at load. Shared by the server's request
+threads and the orchestrator's stages: encode and decode go straight to the Rust
+tokenizer, whose settings are never changed after load, so threads never race on it;
+the one thing filled in later, the cache of token bytes, is written under a lock.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ class Tokenizer:
         )
         self.byte_token_ids: frozenset[int] = self._byte_token_ids()
         self._bytes_cache: dict[int, bytes] = {}
+        self._bytes_lock = threading.Lock()
 
     @classmethod
     def from_folder(cls, path: str | Path, *, chat_template: str | None = None) -> Tokenizer:
@@ -146,7 +148,8 @@ class Tokenizer:
                     f"token id {token_id} is outside the vocabulary of size {self.vocab_size}"
                 )
             cached = token_to_bytes(token, self.style)
-            self._bytes_cache[token_id] = cached
+            with self._bytes_lock:
+                self._bytes_cache[token_id] = cached
         return cached
 
     def token_text(self, token_id: int) -> str:

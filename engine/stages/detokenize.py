@@ -208,7 +208,6 @@ class DetokenizeStage:
         timings = job.stream.timings
         if timings.first_token is None:
             timings.first_token = now
-        timings.token_times.setdefault(sample.index, []).append(now)
         job.stream.push(
             Delta(
                 index=sample.index,
@@ -220,6 +219,7 @@ class DetokenizeStage:
                 prompt_tokens=job.prompt_tokens,
                 completion_tokens=sample.completion_tokens,
                 prompt_logprobs=prompt_logprobs,
+                emitted=now,
             )
         )
         if finish is not None:

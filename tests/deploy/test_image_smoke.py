@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site as sitelib
 import subprocess
 import sys
 import time
@@ -95,9 +96,12 @@ def test_installed_package_serves_and_passes_the_healthcheck(tmp_path: Path) -> 
         + [str(context)],
         timeout=240,
     )
-    # Dependencies come from the host's site-packages; the package itself only from the wheel.
+    # Dependencies come from the running interpreter's site-packages (a virtual environment's
+    # too: `venv --system-site-packages` would see only the base interpreter's), named in a
+    # .pth file, whose own .pth hooks (the editable install of this repo) are not run; the
+    # package itself comes only from the wheel.
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     python = str(venv / "bin" / "python")
     site = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -105,6 +109,8 @@ def test_installed_package_serves_and_passes_the_healthcheck(tmp_path: Path) -> 
         text=True,
         check=True,
     ).stdout.strip()
+    host_sites = [*sitelib.getsitepackages(), sitelib.getusersitepackages()]
+    (Path(site) / "host-packages.pth").write_text("\n".join(host_sites) + "\n")
     (wheel,) = wheels.glob("*.whl")
     _run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)])
 

@@ -22,8 +22,8 @@ import httpx
 import uvicorn
 
 from server.app import create_app
+from server.backend import Backend
 from server.config import ServerConfig
-from server.lifecycle import Backend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

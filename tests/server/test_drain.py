@@ -19,8 +19,8 @@ import pytest
 
 from engine.fake import FakeDelays, FakeEngine, FakeTokenizer
 from engine.orchestrator import Orchestrator, OrchestratorConfig
-from server.lifecycle import Backend, Runtime
-from server.params import ModelLimits
+from server.backend import Backend, ModelLimits
+from server.lifecycle import Runtime
 from tests.server.harness import LiveServer, make_config, serve_in_thread, sse_events, wait_ready
 
 

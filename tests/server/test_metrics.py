@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.harness import MODEL_NAME, LiveServer
+from tests.server.harness import MODEL_NAME, LiveServer, make_config, serve_in_thread
+from tests.server.test_drain import fake_backend
 
 
 def scrape(live: LiveServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -66,7 +69,39 @@ def test_engine_metrics_count_each_request(live: LiveServer) -> None:
     assert value(after, "llm_requests_running") == 0
     assert value(after, "llm_requests_waiting") == 0
     assert value(after, "llm_slots_in_use_ratio") == 0
-    for stage in ("prefill", "transfer", "detokenize"):
-        assert (("llm_queue_depth", (("model_name", MODEL_NAME), ("stage", stage)))) in after
+    stages = {dict(labels)["stage"] for name, labels in after if name == "llm_queue_depth"}
+    assert stages == {"prefill", "detokenize"}  # no constant-0 gauge for an absent stage
     http = [k for k in after if k[0] == "http_requests_total"]
     assert any(("handler", "/v1/completions") in labels for _, labels in http)
+
+
+def test_ttft_is_observed_at_the_first_token_not_at_the_end(tmp_path: Path) -> None:
+    """A dashboard must see a long stream's TTFT while it streams, as vLLM records it.
+
+    The engine is the orchestrator's fake with 50 ms steps, so the stream is
+    certainly still open when the scrape is taken.
+    """
+    ttft = "llm_time_to_first_token_seconds_count"
+    itl = "llm_inter_token_latency_seconds_count"
+    e2e = "llm_e2e_request_latency_seconds_count"
+    config = make_config(tmp_path, max_model_len=256)
+    with serve_in_thread(config, loader=lambda: fake_backend(0.05)) as live:
+        before = scrape(live)
+        body = {"prompt": "Long stream", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", live.v1 + "/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            seen = 0
+            for line in lines:
+                seen += line.startswith("data: ")
+                if seen == 3:
+                    break
+            during = scrape(live)  # ~57 steps (~3 s) to go
+            for _ in lines:
+                pass
+        after = scrape(live)
+    assert value(during, ttft) - value(before, ttft) == 1
+    assert value(during, itl) - value(before, itl) >= 2
+    assert value(during, e2e) == value(before, e2e)
+    assert value(after, ttft) - value(before, ttft) == 1
+    assert value(after, itl) - value(before, itl) == 59
+    assert value(after, e2e) - value(before, e2e) == 1

@@ -1,0 +1,71 @@
+"""What the server needs of the model behind it, and nothing more: the seams to engine/.
+
+The HTTP side speaks to a loaded model only through these protocols (the real
+orchestrator and tokenizer implement them, and so do the tests' fakes), so no
+handler reaches past them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.orchestrator import OrchestratorStats
+from engine.request import ActiveRequest, RequestStream
+
+
+class TokenizerClient(Protocol):
+    """The tokenizer operations the server uses (tokenization.Tokenizer implements them)."""
+
+    vocab_size: int
+    special_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def validate_ids(self, ids: Sequence[int]) -> list[int]: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+
+
+class OrchestratorClient(Protocol):
+    """The orchestrator operations the runtime and the request handlers use."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    def submit(self, request: ActiveRequest) -> RequestStream: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def drain(self, timeout: float) -> bool: ...
+
+    def stop(self) -> None: ...
+
+    def stats(self) -> OrchestratorStats: ...
+
+    def add_failure_listener(self, listener: Callable[[BaseException], None]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the loaded engine can take; filled from the engine after loading."""
+
+    max_model_len: int
+    max_prompt_len: int
+    vocab_size: int  # the model's (token ids and top_k are bounded by it)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A loaded, warmed-up model behind a started orchestrator."""
+
+    tokenizer: TokenizerClient
+    orchestrator: OrchestratorClient
+    limits: ModelLimits
