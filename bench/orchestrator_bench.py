@@ -30,6 +30,7 @@ from typing import Any
 from engine.fake import FakeEngine, FakeTokenizer
 from engine.orchestrator import Orchestrator, OrchestratorConfig
 from engine.request import ActiveRequest, Delta, RequestStream
+from engine.stages.detokenize import text_streams
 from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -69,9 +70,10 @@ def engine_tok_s(engine: Any, steps: int) -> float:
     return engine.max_slots * steps / (time.perf_counter() - started)
 
 
-def orchestrator_tok_s(engine: Any, tokenizer: Any, max_tokens: int, **kw: Any) -> float:
+def orchestrator_tok_s(engine: Any, tokenizer: Any, max_tokens: int) -> float:
     """Tokens/s while every slot is busy: from the last first token to the first finish."""
-    orch = Orchestrator(engine, tokenizer, OrchestratorConfig(max_queued_samples=1024), **kw)
+    streams_of = text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids)
+    orch = Orchestrator(engine, streams_of, OrchestratorConfig(max_queued_samples=1024))
     orch.start()
     try:
         streams = [
@@ -135,9 +137,8 @@ def bench_fake(slots: int, requests: int, max_tokens: int) -> dict[str, Any]:
     tokenizer = FakeTokenizer()
     orch = Orchestrator(
         engine,
-        tokenizer,
+        text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids),
         OrchestratorConfig(max_queued_samples=requests),
-        new_detokenizer=tokenizer.detokenizer,
     )
     orch.start()
     started = time.perf_counter()

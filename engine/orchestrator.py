@@ -23,7 +23,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from engine.request import (
     ActiveRequest,
@@ -33,11 +32,7 @@ from engine.request import (
     RequestStream,
     Unavailable,
 )
-from engine.stages.detokenize import (
-    DetokenizerFactory,
-    DetokenizeStage,
-    StopMatcherFactory,
-)
+from engine.stages.detokenize import DetokenizeStage, TextStreamFactory
 from engine.stages.faults import Fault, FaultPlan
 from engine.stages.generate import GenerateStage
 from engine.stages.messages import CancelJob, DetokenizeMessage, GenerateMessage, Job
@@ -97,16 +92,12 @@ class Orchestrator:
     def __init__(
         self,
         engine: EngineProtocol,
-        tokenizer: Any,
+        text_streams: TextStreamFactory,
         config: OrchestratorConfig | None = None,
-        *,
-        new_detokenizer: DetokenizerFactory | None = None,
-        new_stop_matcher: StopMatcherFactory | None = None,
     ):
-        """`tokenizer` needs `eos_token_ids`; the factories default to tokenization's classes."""
+        """`text_streams` makes each sample's text path (engine.stages.detokenize.text_streams)."""
         self.config = config or OrchestratorConfig()
         self._engine = engine
-        self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a job leaves the registry
         self._jobs: dict[str, Job] = {}
@@ -153,9 +144,7 @@ class Orchestrator:
             self._generate_inbox,
             self._stop,
             fault=Fault("detokenize", plan),
-            eos_token_ids=frozenset(tokenizer.eos_token_ids) | frozenset(engine.eos_token_ids),
-            new_detokenizer=new_detokenizer or self._default_detokenizer,
-            new_stop_matcher=new_stop_matcher or _default_stop_matcher,
+            new_text_stream=text_streams,
             on_done=self._job_done,
         )
 
@@ -377,20 +366,7 @@ class Orchestrator:
             return "the engine is not started"
         return "the engine is stopped"
 
-    def _default_detokenizer(self, prompt_ids: tuple[int, ...], skip_special_tokens: bool) -> Any:
-        from tokenization import IncrementalDetokenizer
-
-        return IncrementalDetokenizer(
-            self._tokenizer, list(prompt_ids), skip_special_tokens=skip_special_tokens
-        )
-
 
 def _wrap_int64(value: int) -> int:
     """value in the signed 64-bit range the API accepts seeds in (a seed keeps all 64 bits)."""
     return (value + 2**63) % 2**64 - 2**63
-
-
-def _default_stop_matcher(stop: tuple[str, ...], include_stop_str_in_output: bool) -> Any:
-    from tokenization import StopMatcher
-
-    return StopMatcher(list(stop), include_stop_str_in_output=include_stop_str_in_output)

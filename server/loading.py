@@ -39,6 +39,7 @@ def load_backend(config: ServerConfig) -> Backend:
     """Load, warm up and start; raises on any failure (the runtime reports it)."""
     from engine.engine import Engine, EngineConfig
     from engine.orchestrator import Orchestrator, OrchestratorConfig
+    from engine.stages.detokenize import text_streams
     from tokenization import Tokenizer
 
     path = model_path(config)
@@ -54,9 +55,10 @@ def load_backend(config: ServerConfig) -> Backend:
         )
     )
     engine.warmup()
+    eos = tokenizer.eos_token_ids | engine.eos_token_ids
     orchestrator = Orchestrator(
         engine,
-        tokenizer,
+        text_streams(tokenizer.detokenizer, eos),
         OrchestratorConfig(
             max_queued_samples=config.max_queued_samples,
             fault_injection=config.fault_injection,

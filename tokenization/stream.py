@@ -1,33 +1,52 @@
-"""A request's whole text path: detokenizer, then stop strings, then stop tokens.
+"""A sample's whole text path, and every rule that ends it.
 
-Runs on: the orchestrator's detokenize stage, one instance per request (per choice).
-Owns: the request's IncrementalDetokenizer and StopMatcher.
-A stop token (EOS unless ignore_eos, and the user's stop_token_ids) ends the request
-without its own text; held-back text is still released, and a stop string completed
-by that release wins since it comes first in the text.
+Runs on: the orchestrator's detokenize stage, one instance per sample (the
+property tests drive the same class). Owns: the sample's detokenizer and stop
+matcher, its token count and the finishing rules, in this order per token:
+a stop token id (the user's, once min_tokens are out) or EOS (unless
+ignore_eos; the model's, likewise after min_tokens) ends the sample without
+its own text; else the token's text goes through the stop strings; the last
+token of the budget ends it with "length". Whatever ends it, held-back text is
+released, and a stop string completed by that release wins, since it comes
+first in the text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenization.detokenizer import IncrementalDetokenizer
 from tokenization.stop import StopMatcher
 from tokenization.tokenizer import Tokenizer
 
 
+class Detokenizer(Protocol):
+    def add(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class TextStep:
-    """Text to send after one token, and why the request stopped, if it did."""
+    """Text to send after one token, and why the sample ended, if it did."""
 
     text: str
-    stop_str: str | None = None
-    stop_token: int | None = None
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: str | int | None = None  # the stop string or stop token id; None for EOS
 
     @property
     def finished(self) -> bool:
-        return self.stop_str is not None or self.stop_token is not None
+        return self.finish_reason is not None
+
+    @property
+    def stop_str(self) -> str | None:
+        return self.stop_reason if isinstance(self.stop_reason, str) else None
+
+    @property
+    def stop_token(self) -> int | None:
+        return self.stop_reason if isinstance(self.stop_reason, int) else None
 
 
 class TextStream:
@@ -35,49 +54,84 @@ class TextStream:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
-        prompt_ids: Sequence[int] = (),
+        detokenizer: Detokenizer,
         *,
         stop: Sequence[str] = (),
         stop_token_ids: Collection[int] = (),
+        eos_token_ids: Collection[int] = (),
+        min_tokens: int = 0,
         include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
     ) -> None:
-        self._detokenizer = IncrementalDetokenizer(
+        self._detokenizer = detokenizer
+        self._matcher = (
+            StopMatcher(stop, include_stop_str_in_output=include_stop_str_in_output)
+            if stop
+            else None
+        )
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._eos_token_ids = frozenset(eos_token_ids)
+        self._min_tokens = min_tokens
+        self._finished = False
+        self.tokens = 0  # tokens consumed (the sample's completion_tokens)
+
+    @classmethod
+    def of(
+        cls,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+        **rules: object,
+    ) -> TextStream:
+        """A stream over the real incremental detokenizer of `tokenizer`."""
+        detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens
         )
-        self._matcher = StopMatcher(stop, include_stop_str_in_output=include_stop_str_in_output)
-        self._stop_token_ids = frozenset(stop_token_ids)
-        self._finished = False
+        return cls(detokenizer, **rules)  # type: ignore[arg-type]
 
     @property
     def finished(self) -> bool:
         return self._finished
 
-    def add(self, token_id: int) -> TextStep:
-        """Consume one generated token; after a finished step, later tokens yield nothing."""
+    def add(self, token_id: int, *, last: bool = False) -> TextStep:
+        """Consume one generated token; `last`: the budget (max_tokens, context) ends with it.
+
+        After a finished step, later tokens yield nothing.
+        """
         if self._finished:
             return TextStep("")
-        if token_id in self._stop_token_ids:
-            step = self._stop_string_step(self._detokenizer.flush())
-            if step.finished:
-                return step
-            self._finished = True
-            return TextStep(step.text + self._matcher.flush(), stop_token=token_id)
-        return self._stop_string_step(self._detokenizer.add(token_id))
+        self.tokens += 1
+        may_stop = self.tokens >= self._min_tokens
+        if may_stop and token_id in self._stop_token_ids:
+            return self._end("stop", token_id)
+        if may_stop and token_id in self._eos_token_ids:
+            return self._end("stop", None)
+        step = self._stop_strings(self._detokenizer.add(token_id))
+        if step.finished or not last:
+            return step
+        tail = self._end("length", None)
+        return TextStep(step.text + tail.text, tail.finish_reason, tail.stop_reason)
 
     def finish(self) -> TextStep:
-        """End for another reason (max_tokens, abort): release everything still held."""
+        """End for another reason (the budget ran out without `last`): release what is held."""
         if self._finished:
             return TextStep("")
-        step = self._stop_string_step(self._detokenizer.flush())
+        return self._end("length", None)
+
+    def _end(self, reason: str, stop_reason: str | int | None) -> TextStep:
+        """Release held-back text; a stop string it completes is the reason instead."""
+        step = self._stop_strings(self._detokenizer.flush())
         if step.finished:
             return step
         self._finished = True
-        return TextStep(step.text + self._matcher.flush())
+        held = self._matcher.flush() if self._matcher is not None else ""
+        return TextStep(step.text + held, reason, stop_reason)
 
-    def _stop_string_step(self, delta: str) -> TextStep:
+    def _stop_strings(self, delta: str) -> TextStep:
+        if self._matcher is None:
+            return TextStep(delta)
         result = self._matcher.feed(delta)
-        if result.matched is not None:
-            self._finished = True
-        return TextStep(result.text, stop_str=result.matched)
+        if result.matched is None:
+            return TextStep(result.text)
+        self._finished = True
+        return TextStep(result.text, "stop", result.matched)

@@ -138,6 +138,12 @@ class Tokenizer:
         """Text of `ids` without clean-up of spaces, so it equals the streamed deltas joined."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def detokenizer(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> Any:
+        """A new incremental detokenizer for one sample that follows `prompt_ids`."""
+        from tokenization.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes this token contributes to decoded text (chat logprobs' `bytes`)."""
         cached = self._bytes_cache.get(token_id)

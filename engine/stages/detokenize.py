@@ -1,7 +1,8 @@
 """The detokenize stage: token ids in, text deltas out, in order, one sample at a time.
 
-Runs on: the detokenize thread. Owns: each running sample's incremental
-detokenizer, stop matcher and token count, and which sample each slot feeds
+Runs on: the detokenize thread. Owns: each running sample's text stream
+(tokenization.TextStream: its detokenizer, stop matcher, token count and the
+rules that end it), and which sample each slot feeds
 as the token stream sees it. Receives: SlotAssigned, StepTokens (detokenize
 queue). Emits: Delta into request streams; ReleaseSlot to the generate inbox
 when a sample ends; a job to `on_done` when all its samples have ended.
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engine.request import Delta
+from engine.request import ActiveRequest, Delta
 from engine.stages.faults import Fault
 from engine.stages.messages import (
     DetokenizeMessage,
@@ -32,7 +33,7 @@ from engine.stages.messages import (
     StepTokens,
 )
 from engine.stages.queues import get
-from engine.types import TokenLogprobs
+from engine.types import SamplingParams, TokenLogprobs
 
 
 class Detokenizer(Protocol):
@@ -40,18 +41,43 @@ class Detokenizer(Protocol):
     def flush(self) -> str: ...
 
 
-class StopMatch(Protocol):
+class TextStep(Protocol):
     text: str
-    matched: str | None
+    finish_reason: str | None
+    stop_reason: str | int | None
 
 
-class StopMatcher(Protocol):
-    def feed(self, text: str) -> StopMatch: ...
-    def flush(self) -> str: ...
+class TextStream(Protocol):
+    """One sample's text path (tokenization.TextStream): every rule that ends a sample."""
+
+    tokens: int  # tokens consumed so far
+
+    def add(self, token_id: int, *, last: bool = False) -> TextStep: ...
 
 
+TextStreamFactory = Callable[[ActiveRequest, SamplingParams], TextStream]
 DetokenizerFactory = Callable[[tuple[int, ...], bool], Detokenizer]  # (prompt ids, skip special)
-StopMatcherFactory = Callable[[tuple[str, ...], bool], StopMatcher]  # (stop, include stop str)
+
+
+def text_streams(
+    new_detokenizer: DetokenizerFactory, eos_token_ids: Collection[int]
+) -> TextStreamFactory:
+    """A factory of tokenization.TextStream over `new_detokenizer`, with these EOS ids."""
+    from tokenization.stream import TextStream as Stream
+
+    eos = frozenset(eos_token_ids)
+
+    def new(request: ActiveRequest, sampling: SamplingParams) -> TextStream:
+        return Stream(
+            new_detokenizer(request.prompt_ids, request.skip_special_tokens),
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            eos_token_ids=() if request.ignore_eos else eos,
+            min_tokens=sampling.min_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+
+    return new
 
 
 @dataclass
@@ -62,9 +88,7 @@ class _Sample:
     index: int
     slot: int
     lease: int
-    detokenizer: Detokenizer
-    matcher: StopMatcher | None
-    completion_tokens: int = 0
+    text: TextStream
 
 
 @dataclass(frozen=True)
@@ -81,18 +105,14 @@ class DetokenizeStage:
         stop: threading.Event,
         fault: Fault,
         *,
-        eos_token_ids: Collection[int],
-        new_detokenizer: DetokenizerFactory,
-        new_stop_matcher: StopMatcherFactory,
+        new_text_stream: TextStreamFactory,
         on_done: Callable[[Job], None],
     ):
         self._inbox = inbox
         self._generate_inbox = generate_inbox
         self._stop = stop
         self._fault = fault
-        self._eos = frozenset(eos_token_ids)
-        self._new_detokenizer = new_detokenizer
-        self._new_stop_matcher = new_stop_matcher
+        self._new_text_stream = new_text_stream
         self._on_done = on_done
         self._by_slot: dict[int, _Sample] = {}
         self._samples_left: dict[Job, int] = {}
@@ -113,12 +133,7 @@ class DetokenizeStage:
             index=message.index,
             slot=message.slot,
             lease=message.lease,
-            detokenizer=self._new_detokenizer(request.prompt_ids, request.skip_special_tokens),
-            matcher=(
-                self._new_stop_matcher(request.stop, request.include_stop_str_in_output)
-                if request.stop
-                else None
-            ),
+            text=self._new_text_stream(request, job.samplings[message.index]),
         )
         previous = self._by_slot.get(message.slot)
         if previous is not None:  # the generate stage reused a slot of a cancelled job
@@ -179,61 +194,28 @@ class DetokenizeStage:
         token: _Token,
         prompt_logprobs: tuple[TokenLogprobs | None, ...] | None,
     ) -> None:
-        """Turn one token into a delta; finish the sample on EOS, stop or length."""
-        job, request = sample.job, sample.job.request
-        sample.completion_tokens += 1
-        may_stop = sample.completion_tokens >= job.samplings[sample.index].min_tokens
-        finish: str | None = None
-        stop_reason: str | int | None = None
-        text = ""
-        if may_stop and token.token_id in request.stop_token_ids:
-            finish, stop_reason = "stop", token.token_id
-        elif may_stop and not request.ignore_eos and token.token_id in self._eos:
-            finish = "stop"
-        else:
-            text = sample.detokenizer.add(token.token_id)
-            if sample.matcher is not None:
-                match = sample.matcher.feed(text)
-                text = match.text
-                if match.matched is not None:
-                    finish, stop_reason = "stop", match.matched
-        if finish is None and sample.completion_tokens >= job.max_new_tokens:
-            finish = "length"
-        if finish is not None and not isinstance(stop_reason, str):
-            tail, matched = self._flush(sample)
-            text += tail
-            if matched is not None:
-                finish, stop_reason = "stop", matched
+        """Turn one token into a delta; the text stream says whether the sample ended."""
+        job = sample.job
+        step = sample.text.add(token.token_id, last=sample.text.tokens + 1 >= job.max_new_tokens)
         now = time.monotonic()
-        timings = job.stream.timings
-        if timings.first_token is None:
-            timings.first_token = now
+        if job.stream.timings.first_token is None:
+            job.stream.timings.first_token = now
         job.stream.push(
             Delta(
                 index=sample.index,
-                text=text,
+                text=step.text,
                 token_ids=(token.token_id,),
                 logprobs=None if token.logprobs is None else (token.logprobs,),
-                finish_reason=finish,
-                stop_reason=stop_reason,
+                finish_reason=step.finish_reason,
+                stop_reason=step.stop_reason,
                 prompt_tokens=job.prompt_tokens,
-                completion_tokens=sample.completion_tokens,
+                completion_tokens=sample.text.tokens,
                 prompt_logprobs=prompt_logprobs,
                 emitted=now,
             )
         )
-        if finish is not None:
+        if step.finish_reason is not None:
             self._finish(sample)
-
-    def _flush(self, sample: _Sample) -> tuple[str, str | None]:
-        """Text held back by the detokenizer and the stop matcher, and a stop string it ends."""
-        tail = sample.detokenizer.flush()
-        if sample.matcher is None:
-            return tail, None
-        match = sample.matcher.feed(tail)
-        if match.matched is not None:
-            return match.text, match.matched
-        return match.text + sample.matcher.flush(), None
 
     def _finish(self, sample: _Sample) -> None:
         self._unbind(sample)

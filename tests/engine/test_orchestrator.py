@@ -16,6 +16,7 @@ import pytest
 from engine.fake import FakeDelays, FakeEngine, FakeTokenizer, fake_logprob, fake_text, fake_token
 from engine.orchestrator import Orchestrator, OrchestratorConfig, Unavailable
 from engine.request import ActiveRequest, Delta
+from engine.stages.detokenize import text_streams
 from engine.types import PromptTooLongError, SamplingParams, TokenLogprobs
 
 SEED_STRIDE = 1_000_003
@@ -29,9 +30,8 @@ def make(
     tokenizer = tokenizer or FakeTokenizer()
     return Orchestrator(
         engine or FakeEngine(),
-        tokenizer,
+        text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids),
         config,
-        new_detokenizer=tokenizer.detokenizer,
     )  # stop strings go through the real tokenization.StopMatcher
 
 

@@ -18,6 +18,7 @@ from engine.orchestrator import (
     Unavailable,
 )
 from engine.request import ActiveRequest, RequestStream
+from engine.stages.detokenize import text_streams
 from engine.types import Prefix, SamplingParams
 
 
@@ -39,7 +40,7 @@ class GatedEngine(FakeEngine):
 
 def make(engine: FakeEngine, config: OrchestratorConfig | None = None) -> Orchestrator:
     tokenizer = FakeTokenizer()
-    o = Orchestrator(engine, tokenizer, config, new_detokenizer=tokenizer.detokenizer)
+    o = Orchestrator(engine, text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids), config)
     o.start()
     return o
 

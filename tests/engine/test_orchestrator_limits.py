@@ -10,6 +10,7 @@ import pytest
 from engine.fake import FakeEngine, FakeTokenizer, fake_token
 from engine.orchestrator import Orchestrator, OrchestratorConfig, Overloaded
 from engine.request import ActiveRequest, RequestRejected
+from engine.stages.detokenize import text_streams
 from engine.types import Prefix, SamplingParams
 from tests.engine.test_orchestrator_faults import idle, tokens, wait_for
 
@@ -44,7 +45,7 @@ class PickyEngine(FakeEngine):
 
 def make(engine: FakeEngine, config: OrchestratorConfig | None = None) -> Orchestrator:
     tokenizer = FakeTokenizer()
-    o = Orchestrator(engine, tokenizer, config, new_detokenizer=tokenizer.detokenizer)
+    o = Orchestrator(engine, text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids), config)
     o.start()
     return o
 

@@ -16,6 +16,7 @@ import pytest
 
 from engine.orchestrator import Orchestrator
 from engine.request import ActiveRequest, Delta
+from engine.stages.detokenize import text_streams
 from engine.types import SamplingParams
 from tokenization import Tokenizer
 
@@ -41,21 +42,10 @@ def tokenizer(tiny_checkpoint: Path) -> Tokenizer:
 
 @pytest.fixture
 def orch(engine: Any, tokenizer: Tokenizer) -> Iterator[Orchestrator]:
-    o = Orchestrator(engine, tokenizer)
+    o = Orchestrator(engine, text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids))
     o.start()
     yield o
     o.stop()
-
-
-class EosAs:
-    """The real tokenizer, but with chosen EOS ids (a random model rarely emits its own)."""
-
-    def __init__(self, tokenizer: Tokenizer, eos: frozenset[int]):
-        self._tokenizer = tokenizer
-        self.eos_token_ids = eos
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
 
 
 def prompts(tokenizer: Tokenizer, count: int) -> list[tuple[int, ...]]:
@@ -123,7 +113,7 @@ def test_finish_reasons_on_the_real_engine(
     assert token_ids(short) == ref_ids[:5]
     assert (short[-1].finish_reason, short[-1].completion_tokens) == ("length", 5)
 
-    o = Orchestrator(engine, EosAs(tokenizer, frozenset({ref_ids[cut]})))
+    o = Orchestrator(engine, text_streams(tokenizer.detokenizer, {ref_ids[cut]}))
     o.start()
     try:
         by_eos = run(o, "eos", prompt, max_tokens=24)

@@ -19,6 +19,7 @@ import pytest
 
 from engine.fake import FakeDelays, FakeEngine, FakeTokenizer
 from engine.orchestrator import Orchestrator, OrchestratorConfig
+from engine.stages.detokenize import text_streams
 from server.backend import Backend, ModelLimits
 from server.lifecycle import Runtime
 from tests.server.harness import LiveServer, make_config, serve_in_thread, sse_events, wait_ready
@@ -50,9 +51,8 @@ def fake_backend(step_s: float, max_queued_samples: int = 64) -> Backend:
     tokenizer = TextTokenizer()
     orchestrator = Orchestrator(
         engine,
-        tokenizer,
+        text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids),
         OrchestratorConfig(max_queued_samples=max_queued_samples),
-        new_detokenizer=tokenizer.detokenizer,
     )
     orchestrator.start()
     limits = ModelLimits(

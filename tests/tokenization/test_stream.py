@@ -40,7 +40,7 @@ def check_stop(tok: Tokenizer, text: str, stop: str, min_tokens: int) -> None:
     assert full == text
     start = full.index(stop)
     assert tokens_spanned(tok, text, start, start + len(stop)) >= min_tokens
-    deltas, stop_str, stop_token = run(TextStream(tok, stop=[stop, "never-seen"]), ids)
+    deltas, stop_str, stop_token = run(TextStream.of(tok, stop=[stop, "never-seen"]), ids)
     assert stop_str == stop and stop_token is None
     assert "".join(deltas) == full[:start]
     assert all("\ufffd" not in d for d in deltas)
@@ -75,7 +75,7 @@ def test_stop_strings_over_real_tokens(any_tokenizer: Tokenizer, data: st.DataOb
     ]
     stops = [s for s in stops if s]
     found = [(full.find(s) + len(s), -len(s), s) for s in stops if s in full]
-    deltas, stop_str, _ = run(TextStream(any_tokenizer, stop=stops), ids)
+    deltas, stop_str, _ = run(TextStream.of(any_tokenizer, stop=stops), ids)
     emitted = ""
     for delta in deltas:
         emitted += delta
@@ -90,7 +90,7 @@ def test_stop_strings_over_real_tokens(any_tokenizer: Tokenizer, data: st.DataOb
 def test_stop_token_ends_without_its_text(gpt2: Tokenizer):
     ids = gpt2.encode("Hello wor") + [50256] + gpt2.encode("ld")
     deltas, stop_str, stop_token = run(
-        TextStream(gpt2, stop=["world"], stop_token_ids=[50256]), ids
+        TextStream.of(gpt2, stop=["world"], stop_token_ids=[50256]), ids
     )
     assert stop_token == 50256 and stop_str is None
     assert "".join(deltas) == "Hello wor"  # the held "wor" is released at the stop token
@@ -99,7 +99,7 @@ def test_stop_token_ends_without_its_text(gpt2: Tokenizer):
 def test_user_stop_token_and_partial_character(gpt2: Tokenizer):
     ids = gpt2.encode("ok 😀")
     stop_id = gpt2.encode(" fine")[0]
-    stream = TextStream(gpt2, stop_token_ids=[stop_id])
+    stream = TextStream.of(gpt2, stop_token_ids=[stop_id])
     deltas, _, stop_token = run(stream, ids[:-1] + [stop_id, ids[-1]])
     assert stop_token == stop_id
     assert "".join(deltas) == gpt2.decode(ids[:-1])
@@ -108,23 +108,90 @@ def test_user_stop_token_and_partial_character(gpt2: Tokenizer):
 
 def test_eos_not_a_stop_when_not_given(gpt2: Tokenizer):
     ids = gpt2.encode("a") + [50256] + gpt2.encode("b")
-    deltas, stop_str, stop_token = run(TextStream(gpt2), ids)
+    deltas, stop_str, stop_token = run(TextStream.of(gpt2), ids)
     assert (stop_str, stop_token) == (None, None)
     assert "".join(deltas) == "ab"
 
 
 def test_finish_releases_held_stop_prefix(sentencepiece: Tokenizer):
     ids = sentencepiece.encode("fox ST", add_special_tokens=False)
-    stream = TextStream(sentencepiece, stop=["STOP"])
+    stream = TextStream.of(sentencepiece, stop=["STOP"])
     text = "".join(stream.add(i).text for i in ids)
     assert text == "fox "
     final = stream.finish()
-    assert final.text == "ST" and not final.finished and stream.finished
+    assert (final.text, final.finish_reason, final.stop_reason) == ("ST", "length", None)
+    assert stream.finished
 
 
 def test_include_stop_str_and_prompt_context(sentencepiece: Tokenizer):
     prompt = sentencepiece.encode("Say")
     ids = sentencepiece.encode("fox STOP here", add_special_tokens=False)
-    stream = TextStream(sentencepiece, prompt, stop=["STOP"], include_stop_str_in_output=True)
+    stream = TextStream.of(sentencepiece, prompt, stop=["STOP"], include_stop_str_in_output=True)
     deltas, stop_str, _ = run(stream, ids)
     assert stop_str == "STOP" and "".join(deltas) == " fox STOP"
+
+
+EOS = 50256  # GPT-2's <|endoftext|>, a special token: skipped in text
+
+
+def finish_of(stream: TextStream, ids: list[int]) -> tuple[str, str | None, str | int | None, int]:
+    """(text, finish_reason, stop_reason, tokens consumed), the last id marked `last`."""
+    text = ""
+    for i, token_id in enumerate(ids):
+        step = stream.add(token_id, last=i == len(ids) - 1)
+        text += step.text
+        if step.finished:
+            return text, step.finish_reason, step.stop_reason, stream.tokens
+    return text, None, None, stream.tokens
+
+
+def test_eos_ends_with_stop_and_no_text(gpt2: Tokenizer):
+    ids = gpt2.encode("one two") + [EOS] + gpt2.encode(" three")
+    stream = TextStream.of(gpt2, eos_token_ids=[EOS])
+    assert finish_of(stream, ids) == ("one two", "stop", None, len(ids) - 1)  # EOS counts
+
+
+def test_eos_and_stop_ids_are_text_until_min_tokens(gpt2: Tokenizer):
+    word = gpt2.encode(" x")[0]
+    ids = [word, EOS, word, word, EOS, word]
+    stream = TextStream.of(gpt2, eos_token_ids=[EOS], stop_token_ids=[word], min_tokens=4)
+    # tokens 1-3 cannot stop (the special EOS decodes to nothing); token 4 (a stop id) does
+    assert finish_of(stream, ids) == (" x x", "stop", word, 4)
+
+
+def test_ignore_eos_is_no_eos_ids(gpt2: Tokenizer):
+    ids = gpt2.encode("a") + [EOS] + gpt2.encode("b")
+    assert finish_of(TextStream.of(gpt2), ids) == ("ab", "length", None, 3)
+
+
+def test_the_last_token_ends_with_length_and_releases_held_text(sentencepiece: Tokenizer):
+    ids = sentencepiece.encode("fox ST", add_special_tokens=False)
+    stream = TextStream.of(sentencepiece, stop=["STOP"])
+    assert finish_of(stream, ids) == ("fox ST", "length", None, len(ids))
+
+
+def test_a_stop_string_completed_by_the_last_token_wins_over_length(gpt2: Tokenizer):
+    ids = gpt2.encode("say hello world")
+    stream = TextStream.of(gpt2, stop=["world"])
+    assert finish_of(stream, ids) == ("say hello ", "stop", "world", len(ids))
+
+
+@PROPERTY
+@given(data=st.data())
+def test_every_rule_ends_the_text_where_decode_says(gpt2: Tokenizer, data: st.DataObject):
+    """Random ids with EOS among them, min_tokens and a budget: the text is the decode of
+    the ids before the first token allowed to stop, and the reason is the right one."""
+    words = gpt2.encode(" the cat sat on a mat 日本 👍")
+    ids = data.draw(st.lists(st.sampled_from([*words, EOS]), min_size=1, max_size=30))
+    min_tokens = data.draw(st.integers(0, 8))
+    budget = data.draw(st.integers(1, len(ids)))
+    stream = TextStream.of(gpt2, eos_token_ids=[EOS], min_tokens=min_tokens)
+    text, reason, stop_reason, consumed = finish_of(stream, ids[:budget])
+    stops = [i for i, t in enumerate(ids[:budget]) if t == EOS and i + 1 >= min_tokens]
+    if stops:
+        end = stops[0]
+        assert (reason, stop_reason, consumed) == ("stop", None, end + 1)
+        assert text == gpt2.decode(ids[:end])
+    else:
+        assert (reason, consumed) == ("length", budget)
+        assert text == gpt2.decode(ids[:budget])
