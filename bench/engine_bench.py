@@ -1,6 +1,6 @@
 """Slot-engine benchmark: decode step and prefill times against this machine's roofline.
 
-Run: `python -m bench.engine_bench [--models tiny,100m] [--slots 1,4,16] [--steps 8]`.
+Run: `python -m bench.engine_bench [--models tiny,100m,128k] [--slots 1,8,32] [--steps 16]`.
 Prints one JSON object. Each figure is set against a roofline measured in the
 same run: peak float32 matmul FLOP/s (best of jax and numpy) and memory copy
 bandwidth (read + write bytes / s), measured before and after the models and
@@ -9,6 +9,15 @@ accumulating in float32, which this CPU runs ~1.7x faster than float32). A
 step's floor is the larger of its true work over each peak;
 `roofline_fraction` = floor / median step time (`roofline_fraction_best`: over
 the fastest step; the machine is shared, so the median carries others' load).
+
+Two ratios are measured against a reference timed in the same loop, the two
+alternating call by call so that others' load falls on both alike:
+`step_over_lm_head`: each decode row's step against its own lm_head product
+alone ((slots, hidden) x (hidden, vocab), the model's unavoidable work on a
+large vocabulary); `light_load`: one busy slot on the largest engine against
+a 1-slot engine, both holding the same context (what decode batch buckets buy).
+The `128k` model is the issue's shape: hidden 256, 4 layers, Llama 3's 128,256
+-token vocabulary, ~68.6M parameters, ~90% of the step's FLOPs in the lm_head.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from jax import lax  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.model import linear  # noqa: E402
 from engine.tiny import build_llama_checkpoint, write_tiny_checkpoint  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
@@ -118,32 +128,81 @@ def prefill_work(cfg: ModelConfig, tokens: int, itemsize: int) -> tuple[float, f
     return flops, float(matmul_params(cfg) * itemsize)
 
 
-def bench_decode(engine: Engine, fill: int, steps: int, itemsize: int) -> dict[str, Any]:
-    """Every slot holds a `fill`-token context; time `steps` generate calls one by one."""
-    prefix = engine.prefill([(7 * i) % engine.vocab_size for i in range(fill)], GREEDY)
-    state = engine.init_state()
-    for slot in range(engine.max_slots):
-        state = engine.insert(prefix, state, slot)
-    state, out = engine.generate(state)  # compiled by warm-up; this one warms caches
-    jax.block_until_ready(out.tokens)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, out = engine.generate(state)
+class Stepper:
+    """`busy` slots of an engine holding a `fill`-token context, stepped one call at a time."""
+
+    def __init__(self, engine: Engine, fill: int, busy: int | None = None):
+        self.engine = engine
+        prefix = engine.prefill([(7 * i) % engine.vocab_size for i in range(fill)], GREEDY)
+        self.state = engine.init_state()
+        for slot in range(engine.max_slots if busy is None else busy):
+            self.state = engine.insert(prefix, self.state, slot)
+        self()  # compiled by warm-up; this one warms caches
+
+    def __call__(self) -> None:
+        self.state, out = self.engine.generate(self.state)
         jax.block_until_ready(out.tokens)
-        times.append(time.perf_counter() - start)
-    step_s = float(np.median(times))
+
+
+def interleaved(fns: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each fn, the fns called in turn `rounds` times."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def lm_head_product(engine: Engine, rows: int) -> Any:
+    """The engine's own (rows, hidden) x lm_head product, jitted alone, as a 0-arg callable."""
+    head = engine.params["lm_head"]
+    x = jnp.ones((rows, head.shape[0]), head.dtype)
+    product = jax.jit(lambda x, w: linear(x, w, preferred=jnp.float32))
+    product(x, head).block_until_ready()
+    return lambda: product(x, head).block_until_ready()
+
+
+def bench_decode(engine: Engine, fill: int, steps: int, itemsize: int) -> dict[str, Any]:
+    """Every slot holds a `fill`-token context; `steps` generate calls one by one, each
+    followed by the lm_head product alone at the same number of rows."""
+    times = interleaved(
+        {"step": Stepper(engine, fill), "head": lm_head_product(engine, engine.max_slots)}, steps
+    )
+    step, head = times["step"], times["head"]
+    step_s = float(np.median(step))
     contexts = [fill + 1 + steps // 2] * engine.max_slots
     flops, nbytes = decode_work(engine.model_config, contexts, itemsize)
     return {
         "slots": engine.max_slots,
         "context": contexts[0],
         "step_ms": step_s * 1e3,
-        "best_step_ms": min(times) * 1e3,
+        "best_step_ms": min(step) * 1e3,
+        "lm_head_ms": float(np.median(head)) * 1e3,
+        "best_lm_head_ms": min(head) * 1e3,
+        "step_over_lm_head": step_s / float(np.median(head)),
+        "step_over_lm_head_best": min(step) / min(head),
         "tokens_per_s": engine.max_slots / step_s,
         "work_gflop": flops / 1e9,
         "work_mbytes": nbytes / 1e6,
         "gflops": flops / step_s / 1e9,
+    }
+
+
+def bench_light_load(large: Engine, single: Engine, fill: int, steps: int) -> dict[str, Any]:
+    """One busy slot on `large` against a 1-slot engine: time per output token of each."""
+    times = interleaved(
+        {"large": Stepper(large, fill, busy=1), "single": Stepper(single, fill)}, steps
+    )
+    large_s, single_s = (float(np.median(times[k])) for k in ("large", "single"))
+    return {
+        "slots": large.max_slots,
+        "busy": 1,
+        "step_ms": large_s * 1e3,
+        "one_slot_engine_step_ms": single_s * 1e3,
+        "ratio": large_s / single_s,
+        "ratio_best": min(times["large"]) / min(times["single"]),
     }
 
 
@@ -195,8 +254,9 @@ def bench_model(
 ) -> dict[str, Any]:
     itemsize = 4 if dtype == "float32" else 2
     result: dict[str, Any] = {"model": name, "dtype": dtype, "max_model_len": max_len}
-    decode = []
-    for count in slots:
+    fill = max_len // 2
+    decode, engines = [], {}
+    for count in sorted(set(slots) | {1}):
         config = EngineConfig(
             folder, dtype=dtype, max_slots=count, max_model_len=max_len,
             max_prefill_len=max_prefill,
@@ -205,13 +265,18 @@ def bench_model(
         start = time.perf_counter()
         engine.warmup()
         warmup_s = time.perf_counter() - start
-        if count == slots[0]:
+        if count == max(slots):
             cfg = engine.model_config
             result["matmul_params"] = matmul_params(cfg)
             result["warmup_s"] = warmup_s
             result["prefill"] = bench_prefill(engine, itemsize)
-        decode.append(bench_decode(engine, max_len // 2, steps, itemsize))
+        if count in slots:
+            decode.append(bench_decode(engine, fill, steps, itemsize))
+        if count in (1, max(slots)):
+            engines[count] = engine
     result["decode"] = decode
+    if max(slots) > 1:
+        result["light_load"] = bench_light_load(engines[max(slots)], engines[1], fill, steps)
     return result
 
 
@@ -236,8 +301,14 @@ def main(argv: list[str] | None = None) -> None:
                     max_position_embeddings=1024,
                 )  # fmt: skip
                 max_len, max_prefill = 1024, 512
+            elif name == "128k":
+                folder = build_llama_checkpoint(
+                    Path(tmp) / "128k", 256, 4, 4, 2, 704, 128256,
+                    max_position_embeddings=1024,
+                )  # fmt: skip
+                max_len, max_prefill = 256, 128
             else:
-                raise SystemExit(f"unknown model {name!r} (tiny, 100m)")
+                raise SystemExit(f"unknown model {name!r} (tiny, 100m, 128k)")
             runs.append(
                 bench_model(name, folder, slots, max_len, max_prefill, args.steps, args.dtype)
             )

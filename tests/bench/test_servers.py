@@ -1,0 +1,39 @@
+"""Server processes of the benchmark: command holes, no machine paths in results, start/stop."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+
+from bench import servers
+
+
+def test_command_fills_every_hole() -> None:
+    spec = servers.ServerSpec("x", ("prog", "--m", "{model}", "-p", "{port}", "{slots}/{context}"))
+    assert spec.command(Path("ckpt"), "n", 5, 4, 64) == ["prog", "--m", "ckpt", "-p", "5", "4/64"]
+
+
+def test_public_command_names_no_path_of_this_machine() -> None:
+    spec = servers.peer_from_template(
+        "p", "/venv/bin/python3 -m srv --model /data/m.gguf -x {port}"
+    )
+    assert spec.public_command() == "python -m srv --model m.gguf -x '{port}'"
+    assert servers.ours().public_command().startswith("python -m server --model '{model}'")
+
+
+def test_missing_interpreter_or_module_is_a_reason_to_skip() -> None:
+    assert "not found" in servers.missing(servers.vllm("/no/such/python"))
+    spec = servers.ServerSpec("x", (sys.executable, "-m", "no_such_module_here"))
+    assert "not installed" in servers.missing(spec)
+    assert servers.missing(servers.ServerSpec("x", (sys.executable, "-m", "http.server"))) is None
+
+
+def test_started_waits_until_ready_and_stops_the_process(tmp_path: Path) -> None:
+    argv = (sys.executable, "-m", "http.server", "{port}", "--bind", "127.0.0.1", "-d", "{model}")
+    spec = servers.ServerSpec("static", argv, ready_path="/")
+    with servers.started(spec, tmp_path, "n", 1, 8, ready_timeout_s=60, log_dir=tmp_path) as run:
+        assert httpx.get(run.base_url + "/").status_code == 200
+        process = run.process
+    assert process.poll() is not None
