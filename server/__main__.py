@@ -4,6 +4,9 @@ Signals: the first SIGTERM (or SIGINT) starts a drain (readiness 503, new
 requests 503, in-flight ones finish up to --drain-timeout) and then the
 process exits 0; a second signal exits at once. A stage fault ends the
 process with exit code 1 so the orchestrator (Kubernetes) restarts it.
+
+Connections: uvicorn's h11 protocol with deadlines on what a client owes
+(`DeadlineProtocol`), so stalled sockets are cut instead of kept forever.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ import socket
 import sys
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.server import ServerState
 
 from server.config import ServerConfig, parse_config
 from server.lifecycle import Runtime
@@ -29,6 +36,71 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 FLUSH_S = 1.0  # after a fault: time for error responses (and probes saying 503) to go out
+
+
+class DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 connection, cut when a client stalls before its request is read.
+
+    uvicorn times only the idle gap after a response (`timeout_keep_alive`): a socket
+    that never sends, or sends its headers a byte at a time, or trickles a body nobody
+    reads, stayed open forever. Here the request line and headers must be complete
+    within `header_timeout_s` of the connection opening (first request) or of their
+    first byte (later requests); a response that ends while the client is still
+    sending its body closes the connection. The body of a request that is read has
+    its own deadline, in `BodyLimitMiddleware`.
+    """
+
+    header_timeout_s: float = 10.0  # set per server by `deadline_protocol`
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._header_deadline is None:
+            self._arm_header_deadline()  # the first byte of a later request
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm_header_deadline()  # the headers are in
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()  # the rest of this body would only be read to be discarded
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _headers_late(self) -> None:
+        self._header_deadline = None
+        if not self.transport.is_closing():
+            logger.debug("closing a connection: no request headers within the deadline")
+            self.transport.close()
+
+
+def deadline_protocol(header_timeout_s: float) -> type[DeadlineProtocol]:
+    """The connection class for one server, with its header deadline."""
+    return type("DeadlineProtocol", (DeadlineProtocol,), {"header_timeout_s": header_timeout_s})
 
 
 class DrainingServer(uvicorn.Server):
@@ -97,7 +169,8 @@ def build_server(config: ServerConfig) -> DrainingServer:
         # (the signal was lost, or the process died of it with no drain); asyncio's loop runs it.
         loop="asyncio",
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=5,
+        http=deadline_protocol(config.header_read_timeout),
+        timeout_keep_alive=config.timeout_keep_alive,  # type: ignore[arg-type]  # float is fine
     )
     return DrainingServer(uv_config, app.state.runtime, config.drain_timeout)
 
