@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator import Instrumentator
 
-from server import chat, completions
+from server import chat, completions, responses, tokenizing
 from server.backend import Backend
 from server.config import ServerConfig
 from server.errors import APIError, install_error_handlers
@@ -30,7 +30,13 @@ from server.metrics import EngineMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
 from server.openapi import document_api
 from server.params import GenerationPlan, plan_completion
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+)
 from server.streaming import sse_response
 
 T = TypeVar("T")
@@ -167,3 +173,32 @@ def _add_routes(
         )
         shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)
         return await respond(request, backend, plan, shaper)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        backend = runtime.require_ready()
+        response_id = f"resp_{uuid.uuid4().hex}"
+        plan = await off_loop(
+            responses.plan_response, response_id, body, backend.tokenizer, config, backend.limits
+        )
+        shaper = responses.ResponsesShaper(plan, body, config.model_name, response_id)
+        if not plan.stream:
+            return await respond(request, backend, plan, shaper)
+        generation = Generation(runtime, backend, plan, metrics, log_of(request))
+        return sse_response(  # named events: its own framing, the same Generation
+            responses.stream_events(generation, shaper),
+            ping_interval=config.sse_ping_interval,
+            cleanup=generation.close,
+        )
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        backend = runtime.require_ready()
+        return await off_loop(
+            tokenizing.tokenize, body, backend.tokenizer, config.model_name, backend.limits
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        backend = runtime.require_ready()
+        return await off_loop(tokenizing.detokenize, body, backend.tokenizer, config.model_name)

@@ -21,9 +21,9 @@ class TokenizerClient(Protocol):
     vocab_size: int
     special_token_ids: frozenset[int]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
     def validate_ids(self, ids: Sequence[int]) -> list[int]: ...
 
@@ -31,7 +31,14 @@ class TokenizerClient(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]: ...
 
 
 class OrchestratorClient(Protocol):

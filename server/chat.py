@@ -2,11 +2,14 @@
 
 A streamed choice starts with a chunk whose delta carries role "assistant";
 logprobs follow OpenAI's chat shape: content[] of token, logprob, bytes and
-top_logprobs.
+top_logprobs. The prompt ends with the template's generation prompt unless
+add_generation_prompt is false, or with the last assistant message left open for the
+model to continue (vLLM's continue_final_message).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,24 +28,71 @@ from server.params import (
     sampling_params,
     stop_strings,
 )
-from server.protocol import ChatCompletionRequest
+from server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from server.shaping import ResponseShaper
+
+
+def template_flags(request: ChatCompletionRequest | TokenizeRequest) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) as asked; both true is a 400 (vLLM).
+
+    continue_final_message alone turns the generation prompt off: add_generation_prompt's
+    default of true is not a request for both.
+    """
+    if not request.continue_final_message:
+        return request.add_generation_prompt, False
+    if request.add_generation_prompt and "add_generation_prompt" in request.model_fields_set:
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",
+            param="continue_final_message",
+        )
+    return False, True
+
+
+def template_messages(messages: Sequence[ChatMessage], param: str = "messages") -> list[dict]:
+    """Messages as the chat template reads them: role and text content."""
+    try:
+        return [
+            {"role": m.role, "content": m.text(f"{param}[{i}].content")}
+            for i, m in enumerate(messages)
+        ]
+    except ValueError as exc:
+        raise bad_request(str(exc), param=param) from exc
+
+
+def render_messages(
+    messages: list[dict],
+    tokenizer: TokenizerClient,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+    param: str = "messages",
+) -> tuple[int, ...]:
+    """Token ids of a conversation rendered with the chat template; a 400 when it cannot be."""
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            add_special_tokens=add_special_tokens,
+        )
+    except ValueError as exc:
+        raise bad_request(f"{param} could not be rendered: {exc}", param=param) from exc
+    return tuple(ids)
 
 
 def render_prompt(request: ChatCompletionRequest, tokenizer: TokenizerClient) -> PromptInput:
     """The conversation as prompt token ids, rendered with the chat template."""
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-    except ValueError as exc:
-        raise bad_request(str(exc), param="messages") from exc
-    try:
-        rendered = tokenizer.apply_chat_template(messages)
-    except ValueError as exc:
-        raise bad_request(f"messages could not be rendered: {exc}", param="messages") from exc
-    ids = tokenizer.encode(rendered) if isinstance(rendered, str) else list(rendered)
+    add_generation_prompt, continue_final_message = template_flags(request)
+    ids = render_messages(
+        template_messages(request.messages),
+        tokenizer,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
     if not ids:
         raise bad_request("messages rendered to an empty prompt", param="messages")
-    return PromptInput(tuple(ids), "")
+    return PromptInput(ids, "")
 
 
 def plan_chat(

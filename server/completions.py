@@ -71,7 +71,7 @@ class TextOffsets:
 
     def __init__(self, tokenizer: TokenizerClient, start: int = 0):
         self._tokenizer = tokenizer
-        self._special = getattr(tokenizer, "special_token_ids", frozenset())
+        self._special = tokenizer.special_token_ids
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.chars = start
 

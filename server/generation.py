@@ -245,9 +245,9 @@ class Generation:
             for chunk in shaper.opening():
                 yield encode_event(chunk)
             async for item in self.deltas():
-                chunk = shaper.apply(item)
-                if chunk is not None:
-                    yield encode_event(chunk)
+                piece = shaper.apply(item)
+                if piece is not None:
+                    yield encode_event(piece)
             if self.plan.include_usage:
                 yield encode_event(shaper.usage_chunk(self.completion_tokens))
         except APIError as error:

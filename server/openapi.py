@@ -82,12 +82,13 @@ def rewrite(schema: dict[str, Any], *, api_key_required: bool) -> dict[str, Any]
                 _probe(responses, _PROBES[path])
                 continue
             statuses: list[int] = []
-            if path.startswith("/v1/") and api_key_required:
+            if api_key_required:  # every route but the probes (and /metrics, not in the schema)
                 operation["security"] = [{"bearerAuth": []}]
                 statuses.append(401)
             if "requestBody" in operation:
                 statuses += _GENERATION_ERRORS
-                _streamed(responses)
+                if path in _STREAMED:
+                    _streamed(responses)
             elif "{" in path:
                 statuses.append(404)
             for status in sorted(statuses):
@@ -95,6 +96,9 @@ def rewrite(schema: dict[str, Any], *, api_key_required: bool) -> dict[str, Any]
     for name in _FASTAPI_VALIDATION:
         schemas.pop(name, None)
     return schema
+
+
+_STREAMED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 def _error(status: int) -> dict[str, Any]:
@@ -108,7 +112,12 @@ def _streamed(responses: dict[str, Any]) -> None:
     ok["content"] = {
         "application/json": {"schema": {"type": "object"}},
         "text/event-stream": {
-            "schema": {"type": "string"},
+            # one server-sent event: a `data:` line of JSON (or [DONE]), `event:` on Responses
+            "schema": {
+                "type": "object",
+                "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                "required": ["data"],
+            },
             "example": 'data: {"choices": [...]}\n\ndata: [DONE]\n\n',
         },
     }

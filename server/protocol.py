@@ -32,9 +32,9 @@ MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's range: [0, 2]
 MAX_PENALTY = 2.0  # presence / frequency penalties in [-2, 2]
 
 
-def _float(**bounds: float) -> Any:
+def _float(ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
     """An optional JSON number (ints allowed, bools and strings not) that must be finite."""
-    return Field(default=None, allow_inf_nan=False, **bounds)
+    return Field(default=None, allow_inf_nan=False, ge=ge, gt=gt, le=le)
 
 
 class StreamOptions(BaseModel):
@@ -112,11 +112,32 @@ class CompletionRequest(SamplingFields):
         return value
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# Part types that carry media: a 400 that says why, since every model served here reads text.
+MEDIA_PART_TYPES = frozenset(
+    {"image_url", "input_image", "image", "image_file", "input_audio", "audio_url", "video_url"}
+)
 
-    type: Literal["text"]
-    text: StrictStr
+
+def parts_text(parts: list[dict[str, Any]], where: str, text_types: frozenset[str]) -> str:
+    """Text parts joined with "\\n" as vLLM joins them; ValueError names the first bad part."""
+    texts = []
+    for index, part in enumerate(parts):
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise ValueError(f"{where}[{index}].type must be a string")
+        if kind in text_types:
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError(f"{where}[{index}].text must be a string")
+            texts.append(text)
+        elif kind in MEDIA_PART_TYPES:
+            raise ValueError(
+                f"{where}[{index}] is a {kind!r} part, but this model is text-only: "
+                "only text content is supported"
+            )
+        else:
+            raise ValueError(f"{where}[{index}]: content part type {kind!r} is not supported")
+    return "\n".join(texts)
 
 
 class ChatMessage(BaseModel):
@@ -126,18 +147,13 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
 
-    def text(self) -> str:
+    def text(self, where: str = "content") -> str:
         """The message content as text; only text parts are supported."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        texts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"content part type {part.get('type')!r} is not supported")
-            texts.append(TextPart.model_validate(part).text)
-        return "".join(texts)
+        return parts_text(self.content, where, frozenset({"text"}))
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -150,6 +166,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM's: extend the last (assistant) message
 
     def chat_unsupported(self) -> tuple[str, str] | None:
         if self.tools:
@@ -159,3 +176,113 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tool_choice is not supported"
         return self.unsupported()
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: `prompt` (text) or `messages` (rendered with the chat template).
+
+    vLLM's two request types in one model, told apart by which input is given, so an
+    error names the field at fault instead of the other type's missing one.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool | None = None  # None: true for prompt, false for messages
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool = False  # known, not supported
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+class ResponsesInputItem(BaseModel):
+    """One item of a Responses `input` list; only messages are served (checked when planned)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: StrictStr = "message"  # an "easy input message" has no type
+    role: StrictStr | None = None
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+
+class ResponsesTextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: StrictStr = "text"
+
+
+class ResponsesTextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """The stateless subset of OpenAI's Responses API (POST /v1/responses).
+
+    Fields that need state (store, previous_response_id, conversation), tools or
+    structured output are declared so that asking for them is a clear 400.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    input: StrictStr | list[ResponsesInputItem]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = _float(ge=0.0, le=MAX_TEMPERATURE)
+    top_p: StrictFloat | None = _float(gt=0.0, le=1.0)
+    stream: StrictBool = False
+    metadata: dict[StrictStr, StrictStr] | None = None
+    user: StrictStr | None = None
+    parallel_tool_calls: StrictBool = True
+    # known but unsupported: rejected when they would change the output or need state
+    store: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
+    conversation: Any = None
+    background: StrictBool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    text: ResponsesTextConfig | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[Any] | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt: Any = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first set field we cannot honour, else None."""
+        stateless = "no state is kept between requests: send the whole conversation in input"
+        if self.store:
+            return "store", f"store is not supported ({stateless}); send store: false"
+        if self.previous_response_id is not None:
+            return "previous_response_id", f"previous_response_id is not supported ({stateless})"
+        if self.conversation is not None:
+            return "conversation", f"conversation is not supported ({stateless})"
+        if self.background:
+            return "background", "background responses are not supported"
+        if self.tools:
+            return "tools", "tools are not supported yet on /v1/responses"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice is not supported yet on /v1/responses"
+        if self.text and self.text.format and self.text.format.type != "text":
+            return "text", "text.format other than text (structured output) is not supported"
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            return "reasoning", "reasoning is not supported"
+        if self.include:
+            return "include", "include is not supported"
+        if self.top_logprobs:
+            return "top_logprobs", "top_logprobs is not supported on /v1/responses"
+        if self.prompt is not None:
+            return "prompt", "prompt templates are not supported"
+        if self.truncation == "auto":
+            return "truncation", "truncation: auto is not supported"
+        return None

@@ -185,6 +185,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
@@ -194,6 +195,7 @@ class Tokenizer:
             messages,
             template=self._chat_template,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tools=tools,
             template_kwargs=template_kwargs,
         )
@@ -203,14 +205,18 @@ class Tokenizer:
         messages: list[dict],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Prompt ids of chat messages; the template itself writes BOS, so none is added."""
+        """Prompt ids of chat messages; the template itself writes BOS, so by default none is
+        added (add_special_tokens adds them on top, as vLLM's /tokenize may ask)."""
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tools=tools,
             template_kwargs=template_kwargs,
         )
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
