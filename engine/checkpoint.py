@@ -17,12 +17,13 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from engine.config import ModelConfig, read_json
-from engine.types import CheckpointError
+from engine.types import DTYPE_NAMES, CheckpointError
 
 Params = dict[str, Any]
 
 INDEX_FILE = "model.safetensors.index.json"
-NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+# the one table from a dtype name (engine.types.DTYPE_NAMES) to its type, host and device alike
+NP_DTYPES = {name: np.dtype(getattr(ml_dtypes, name, name)) for name in DTYPE_NAMES}
 
 
 class _TensorReader:

@@ -21,8 +21,8 @@ import numpy as np
 
 from engine.types import (
     MAX_LOGPROBS,
+    EngineLimits,
     Prefix,
-    PromptTooLongError,
     SamplingParams,
     StepOutput,
     TokenLogprobs,
@@ -84,8 +84,10 @@ class FakeEngine:
         eos_token_ids: frozenset[int] = frozenset(),
         delays: FakeDelays | None = None,
         seed: int = 0,
+        max_prefill_batch: int = 1,
     ):
         self.max_slots = max_slots
+        self.max_prefill_batch = max_prefill_batch
         self.max_model_len = max_model_len
         self.prefill_buckets = prefill_buckets
         self.vocab_size = vocab_size
@@ -95,10 +97,16 @@ class FakeEngine:
         self._rng_lock = threading.Lock()
         self.prefill_calls = 0
         self.resample_calls = 0
+        self.step_batches: list[int] = []  # the batch of each generate call, in call order
+        self.batch_sizes: list[int] = []  # prompts per prefill call, in call order
 
     @property
     def max_prompt_len(self) -> int:
         return min(self.prefill_buckets[-1], self.max_model_len - 1)
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.max_model_len, self.max_prompt_len, self.vocab_size)
 
     def init_state(self) -> FakeState:
         n = self.max_slots
@@ -114,16 +122,39 @@ class FakeEngine:
     def prefill(
         self, token_ids: Sequence[int], sampling: SamplingParams, *, prompt_logprobs: bool = False
     ) -> Prefix:
-        if len(token_ids) > self.max_prompt_len:
-            raise PromptTooLongError(len(token_ids), self.max_prompt_len)
+        prefix = self._prefill_one(token_ids, sampling, prompt_logprobs)
         self._sleep(self._delays.prefill)
         self.prefill_calls += 1
+        self.batch_sizes.append(1)
+        return prefix
+
+    def _prefill_one(
+        self, token_ids: Sequence[int], sampling: SamplingParams, prompt_logprobs: bool
+    ) -> Prefix:
+        self.limits.check(len(token_ids), None)
         bucket = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(token_ids))]
         base = prompt_hash(token_ids)
         echo = None
         if prompt_logprobs:
             echo = [None] + [TokenLogprobs(int(t), fake_logprob(int(t))) for t in token_ids[1:]]
         return self._prefix(len(token_ids), sampling, base, bucket, echo)
+
+    def batch_fits(self, lengths: Sequence[int]) -> bool:
+        """Up to max_prefill_batch prompts of one bucket, as the real engine groups them."""
+        buckets = {bisect.bisect_left(self.prefill_buckets, n) for n in lengths}
+        return len(lengths) <= self.max_prefill_batch and len(buckets) == 1
+
+    def prefill_batch(
+        self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]
+    ) -> list[Prefix]:
+        """One call for several prompts: each Prefix as prefill alone would give it."""
+        if not self.batch_fits([len(ids) for ids, _ in prompts]):
+            raise ValueError(f"prompts of lengths {[len(i) for i, _ in prompts]} do not fit")
+        out = [self._prefill_one(ids, sampling, False) for ids, sampling in prompts]
+        self._sleep(self._delays.prefill)
+        self.prefill_calls += 1
+        self.batch_sizes.append(len(prompts))
+        return out
 
     def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
         self.resample_calls += 1
@@ -141,8 +172,22 @@ class FakeEngine:
         state.active[slot] = True
         return state
 
-    def generate(self, state: FakeState) -> tuple[FakeState, StepOutput]:
+    def decode_bucket(self, busy_rows: int) -> int:
+        if not 1 <= busy_rows <= self.max_slots:
+            raise ValueError(f"busy_rows must be in 1..{self.max_slots}, got {busy_rows}")
+        return min(1 << (busy_rows - 1).bit_length(), self.max_slots)
+
+    def generate(self, state: FakeState, batch: int | None = None) -> tuple[FakeState, StepOutput]:
+        """Steps slots 0..batch-1 as the real engine does; a busy slot past the batch raises
+        (the real engine would leave it frozen, and its request would hang)."""
         self._sleep(self._delays.generate)
+        batch = self.max_slots if batch is None else batch
+        self.step_batches.append(batch)
+        if batch != self.decode_bucket(batch):
+            raise ValueError(f"batch {batch} is not a decode bucket")
+        if state.active[batch:].any():
+            left_out = (np.flatnonzero(state.active[batch:]) + batch).tolist()
+            raise RuntimeError(f"busy slots {left_out} lie past the step's batch of {batch}")
         active = state.active.copy()
         overrun = active & (state.length >= self.max_model_len)
         if overrun.any():
@@ -210,6 +255,7 @@ class FakeTokenizer:
     def __init__(self, eos_token_ids: frozenset[int] = frozenset(), delay_s: float = 0.0):
         self.eos_token_ids = eos_token_ids
         self.delay_s = delay_s  # max random sleep per detokenized token
+        self.special_token_ids: frozenset[int] = frozenset()
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(fake_text(t) for t in token_ids)

@@ -19,11 +19,12 @@ to head_dim, so both attention products are plain batched matmuls (q @ K^T
 reads K^T rows directly). Keys come in blocks of KEY_BLOCK positions: the
 CPU backend's q @ K^T ran at ~20 GB/s over 128-position blocks and ~28 GB/s
 over 32-position ones (values read best 128 at a time, as they are). The
-step writes its new K/V in place and reads
-only the chunks up to the furthest busy slot's position, chosen on the
-device by a switch over whole chunk arrays: any slice of one big cache
-buffer (static, dynamic, or per block in a loop) was materialized by XLA's
-CPU backend at a few GB/s and cost more than the positions it skipped.
+step writes its new K/V in place and reads only the chunks up to the
+furthest busy slot's position, each chunk under its own cond on the device
+(an online softmax carries the sums from chunk to chunk): any slice of one
+big cache buffer (static, dynamic, or per block in a loop) was materialized
+by XLA's CPU backend at a few GB/s and cost more than the positions it
+skipped. A decode batch bucket steps the first rows of the cache's slots.
 """
 
 from __future__ import annotations
@@ -134,45 +135,52 @@ def _qkv(
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _write_position(
-    k_chunks: tuple[jax.Array, ...],
-    v_chunks: tuple[jax.Array, ...],
+def _write_chunk(
+    kc: jax.Array,
+    vc: jax.Array,
     k: jax.Array,
     v: jax.Array,
     positions: jax.Array,
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Each slot's new key/value column at its position, in place.
+    index: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunk `index` with each of the first k.shape[0] slots' new key/value column written at
+    its position, in place; a slot whose position lies in another chunk writes nothing here.
 
-    One scatter per chunk; a slot whose position lies in another chunk gets an
-    out-of-range column there, which the scatter drops. A 16-bit cache takes a
-    select over the chunk instead (XLA's CPU backend scatters into bfloat16 by
-    converting the whole target to float32 and back), and only in chunks that
-    hold some slot's position: a select rewrites its whole chunk, so selecting
-    into every chunk cost the 100M model's 16-slot bfloat16 step ~10 ms of its ~45.
+    Under a cond that skips the chunk unless it holds some slot's position. A
+    scatter that drops out-of-range columns; a 16-bit cache takes a select
+    over the chunk instead (XLA's CPU backend scatters into bfloat16 by
+    converting the whole target to float32 and back), and a select rewrites
+    its whole chunk, so selecting into every chunk cost the 100M model's
+    16-slot bfloat16 step ~10 ms of its ~45.
     """
-    size = v_chunks[0].shape[2]
-    block = k_chunks[0].shape[-1]
-    slots = jnp.arange(k.shape[0])
-    k, v = k.astype(k_chunks[0].dtype), v.astype(v_chunks[0].dtype)
-    narrow = k_chunks[0].dtype.itemsize < 4
-    new_k, new_v = [], []
-    for i, (kc, vc) in enumerate(zip(k_chunks, v_chunks, strict=True)):
-        column = jnp.where(positions // size == i, positions % size, size)
-        if narrow:
-            kc, vc = lax.cond(
-                jnp.any(column < size),
-                functools.partial(_select_column, k=k, v=v, column=column),
-                lambda kc, vc: (kc, vc),
-                kc,
-                vc,
-            )
-        else:
-            # out of this chunk: column // block is past the last block, and dropped
-            kc = kc.at[slots, :, column // block, :, column % block].set(k, mode="drop")
-            vc = vc.at[slots, :, column, :].set(v, mode="drop")
-        new_k.append(kc)
-        new_v.append(vc)
-    return tuple(new_k), tuple(new_v)
+    size = vc.shape[2]
+    block = kc.shape[-1]
+    k, v = k.astype(kc.dtype), v.astype(vc.dtype)
+    column = jnp.where(positions // size == index, positions % size, size)
+
+    def write(kc: jax.Array, vc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if kc.dtype.itemsize < 4:
+            return _select_rows(kc, vc, k=k, v=v, column=column)
+        slots = jnp.arange(k.shape[0])
+        # out of this chunk: column // block is past the last block, and dropped
+        kc = kc.at[slots, :, column // block, :, column % block].set(k, mode="drop")
+        return kc, vc.at[slots, :, column, :].set(v, mode="drop")
+
+    return lax.cond(jnp.any(column < size), write, lambda kc, vc: (kc, vc), kc, vc)
+
+
+def _select_rows(
+    kc: jax.Array, vc: jax.Array, *, k: jax.Array, v: jax.Array, column: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """_select_column on the first k.shape[0] slots of the chunk; the others stay as they are."""
+    rows = k.shape[0]
+    if rows == kc.shape[0]:
+        return _select_column(kc, vc, k=k, v=v, column=column)
+    top_k, top_v = _select_column(kc[:rows], vc[:rows], k=k, v=v, column=column)
+    return (
+        lax.dynamic_update_slice_in_dim(kc, top_k, 0, 0),
+        lax.dynamic_update_slice_in_dim(vc, top_v, 0, 0),
+    )
 
 
 def _select_column(
@@ -188,46 +196,48 @@ def _select_column(
     )
 
 
-def _attend_chunks(
-    qg: jax.Array,
-    k_chunks: tuple[jax.Array, ...],
-    v_chunks: tuple[jax.Array, ...],
-    positions: jax.Array,
-    cfg: ModelConfig,
-) -> jax.Array:
-    """Attention of qg (slots, kv_heads, groups, head_dim) over these cache chunks.
+Softmax = tuple[jax.Array, jax.Array, jax.Array]  # running max, sum, weighted values
 
-    Chunk by chunk and in chunk order: a chunk a slot cannot see has scores
-    -inf, so it adds exactly 0 to the sums and leaves the max alone; a slot's
-    result is the same bits whatever number of chunks is read. Scores stay in
-    the keys' block layout (slots, kv, blocks, groups, block) through the
-    softmax; only the probabilities are reordered for the product with the
-    values (reordering the scores slowed the softmax's fused loops ~3x).
+
+def _attend_chunk(
+    run: Softmax,
+    qg: jax.Array,
+    kc: jax.Array,
+    vc: jax.Array,
+    positions: jax.Array,
+    index: int,
+    cfg: ModelConfig,
+) -> Softmax:
+    """The running softmax of each slot's query, updated with chunk `index` of the cache.
+
+    Keys a slot cannot see score -inf: a chunk it sees none of leaves its
+    (max, sum, values) exactly as they were (rescaled by exp(0) = 1, plus
+    0s), so a slot's result is the same bits whatever chunks other slots
+    make the step read. Scores stay in the keys' block layout (slots, kv,
+    blocks, groups, block) through the softmax; only the probabilities are
+    reordered for the product with the values (reordering the scores slowed
+    the softmax's fused loops ~3x).
     """
-    size = v_chunks[0].shape[2]
-    dtype = qg.dtype
-    scale = jnp.asarray(cfg.head_dim**-0.5, dtype)
+    top, total, out = run
     slots, kv, groups, dim = qg.shape
-    blocks, block = k_chunks[0].shape[2], k_chunks[0].shape[4]
+    if kc.shape[0] > slots:  # a batch bucket: the first `slots` slots of the cache
+        kc, vc = kc[:slots], vc[:slots]
+    size, blocks, block = vc.shape[2], kc.shape[2], kc.shape[4]
     qb = jnp.broadcast_to(qg[:, :, None], (slots, kv, blocks, groups, dim))
-    scores = []
-    for i, kc in enumerate(k_chunks):
-        s = lax.dot_general(
-            qb, kc, (((4,), (3,)), ((0, 1, 2), (0, 1, 2))), preferred_element_type=F32
-        )  # (slots, kv, blocks, groups, block)
-        k_pos = (i * size + jnp.arange(size)).reshape(blocks, 1, block)
-        seen = _visible(positions[:, None, None, None, None], k_pos[None, None], cfg)
-        scores.append(jnp.where(seen, s * scale, -jnp.inf))
-    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=(2, 4)) for s in scores])
-    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a slot that sees nothing here gets 0s
-    total = jnp.zeros(top.shape, F32)
-    out = jnp.zeros(qg.shape, F32)
-    for s, vc in zip(scores, v_chunks, strict=True):
-        p = jnp.exp(s - top[:, :, None, :, None])
-        total = total + jnp.sum(p, axis=(2, 4))
-        p = jnp.moveaxis(p, 2, 3).reshape(slots, kv, groups, size).astype(dtype)
-        out = out + jnp.einsum("skgt,sktd->skgd", p, vc, preferred_element_type=F32)
-    return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
+    s = lax.dot_general(
+        qb, kc, (((4,), (3,)), ((0, 1, 2), (0, 1, 2))), preferred_element_type=F32
+    )  # (slots, kv, blocks, groups, block)
+    k_pos = (index * size + jnp.arange(size)).reshape(blocks, 1, block)
+    seen = _visible(positions[:, None, None, None, None], k_pos[None, None], cfg)
+    s = jnp.where(seen, s * jnp.asarray(cfg.head_dim**-0.5, qg.dtype), -jnp.inf)
+    new_top = jnp.maximum(top, jnp.max(s, axis=(2, 4)))
+    shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)  # a slot that has seen nothing yet
+    keep = jnp.exp(top - shift)
+    p = jnp.exp(s - shift[:, :, None, :, None])
+    total = total * keep + jnp.sum(p, axis=(2, 4))
+    p = jnp.moveaxis(p, 2, 3).reshape(slots, kv, groups, size).astype(qg.dtype)
+    values = jnp.einsum("skgt,sktd->skgd", p, vc, preferred_element_type=F32)
+    return new_top, total, out * keep[..., None] + values
 
 
 def _attend_live(
@@ -237,28 +247,23 @@ def _attend_live(
     positions: jax.Array,
     cfg: ModelConfig,
 ) -> jax.Array:
-    """Attention over only the chunks some slot can see, picked on the device.
+    """Attention of qg over the chunks up to the furthest slot's position.
 
-    One branch per live-chunk count; the branch reads whole chunk arrays, so
-    nothing is sliced or copied (XLA's CPU backend materializes any slice of
-    the cache at a few GB/s, more than the skipped positions cost).
+    Chunk by chunk, in chunk order, each under a cond that skips it unless
+    some slot's position reaches it, so a step reads only the chunks up to
+    the furthest slot's, chosen on the device, whatever max_model_len is.
+    Whole chunk arrays only: XLA's CPU backend materializes any slice of the
+    cache at a few GB/s, more than the positions it skips cost.
     """
     size = v_chunks[0].shape[2]
-    live = jnp.minimum(jnp.max(positions) // size, len(k_chunks) - 1)
-    branches = [functools.partial(_attend_n, n=n, cfg=cfg) for n in range(1, len(k_chunks) + 1)]
-    return lax.switch(live, branches, qg, k_chunks, v_chunks, positions)
-
-
-def _attend_n(
-    qg: jax.Array,
-    k_chunks: tuple[jax.Array, ...],
-    v_chunks: tuple[jax.Array, ...],
-    positions: jax.Array,
-    *,
-    n: int,
-    cfg: ModelConfig,
-) -> jax.Array:
-    return _attend_chunks(qg, k_chunks[:n], v_chunks[:n], positions, cfg)
+    live = jnp.max(positions) // size
+    shape = qg.shape[:3]
+    run = (jnp.full(shape, -jnp.inf, F32), jnp.zeros(shape, F32), jnp.zeros(qg.shape, F32))
+    for index, (kc, vc) in enumerate(zip(k_chunks, v_chunks, strict=True)):
+        step = functools.partial(_attend_chunk, index=index, cfg=cfg)
+        run = lax.cond(index <= live, step, lambda run, *_: run, run, qg, kc, vc, positions)
+    _, total, out = run
+    return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(qg.dtype)
 
 
 def _finish(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -300,7 +305,7 @@ def prefill_forward(
     inv_freq: jax.Array,
     cfg: ModelConfig,
     all_logits: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """One prompt padded to T tokens -> (logits, k, v).
 
     logits is (T, vocab) when all_logits else (1, vocab) at position length-1;
@@ -308,6 +313,16 @@ def prefill_forward(
     (kv_heads, T, head_dim) arrays, the decode cache's layouts. Padding
     positions only see the real tokens before them, so real positions are exact.
     """
+    x, keys, values = prefill_hidden(params, tokens, inv_freq, cfg)
+    if not all_logits:
+        x = lax.dynamic_slice_in_dim(x, length - 1, 1, axis=0)
+    return logits_of(params, x, cfg), keys, values
+
+
+def prefill_hidden(
+    params: Params, tokens: jax.Array, inv_freq: jax.Array, cfg: ModelConfig
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """The final hidden states (T, hidden), before the last norm, and each layer's K and V."""
     t = tokens.shape[0]
     dtype = params["embed"].dtype
     x = params["embed"][tokens]
@@ -328,9 +343,7 @@ def prefill_forward(
         x = _finish(lp, x, attn, cfg)
         keys.append(k.transpose(1, 2, 0))
         values.append(v.transpose(1, 0, 2))
-    if not all_logits:
-        x = lax.dynamic_slice_in_dim(x, length - 1, 1, axis=0)
-    return logits_of(params, x, cfg), tuple(keys), tuple(values)
+    return x, tuple(keys), tuple(values)
 
 
 def decode_forward(
@@ -342,13 +355,15 @@ def decode_forward(
     inv_freq: jax.Array,
     cfg: ModelConfig,
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], ...], tuple[tuple[jax.Array, ...], ...]]:
-    """One token per slot at its position -> (logits (slots, vocab), k_cache, v_cache).
+    """One token for each of the first `rows` slots at its position -> (logits (rows,
+    vocab), k_cache, v_cache), rows = tokens.shape[0] (at most the cache's slots).
 
-    The cache is per layer a tuple of chunks, keys (slots, kv_heads, head_dim,
-    chunk) and values (slots, kv_heads, chunk, head_dim), chunk i holding
-    positions i*chunk... Each slot's new K/V is written at its position;
-    attention reads positions <= position, in the chunks up to the furthest
-    slot's. Callers keep positions < the cache's capacity.
+    The cache is per layer a tuple of chunks, keys (slots, kv_heads, blocks,
+    head_dim, block) and values (slots, kv_heads, chunk, head_dim), chunk i
+    holding positions i*chunk... Each row's new K/V is written at its
+    position; attention reads positions <= position, in the chunks up to the
+    furthest row's, of the first `rows` slots only. Callers keep positions <
+    the cache's capacity.
     """
     slots = tokens.shape[0]
     dtype = params["embed"].dtype
@@ -359,10 +374,14 @@ def decode_forward(
     new_k, new_v = [], []
     for lp, k_layer, v_layer in zip(params["layers"], k_cache, v_cache, strict=True):
         q, k, v = _qkv(lp, x, cfg, cos, sin)
-        k_layer, v_layer = _write_position(k_layer, v_layer, k, v, positions)
+        written = [
+            _write_chunk(kc, vc, k, v, positions, i)
+            for i, (kc, vc) in enumerate(zip(k_layer, v_layer, strict=True))
+        ]
+        k_layer, v_layer = tuple(kc for kc, _ in written), tuple(vc for _, vc in written)
         qg = q.reshape(slots, cfg.num_kv_heads, groups, cfg.head_dim)
-        attn = _attend_live(qg, k_layer, v_layer, positions, cfg).reshape(slots, cfg.q_size)
-        x = _finish(lp, x, attn, cfg)
+        attn = _attend_live(qg, k_layer, v_layer, positions, cfg)
+        x = _finish(lp, x, attn.reshape(slots, cfg.q_size), cfg)
         new_k.append(k_layer)
         new_v.append(v_layer)
     return logits_of(params, x, cfg), tuple(new_k), tuple(new_v)

@@ -38,7 +38,7 @@ from engine.stages.generate import GenerateStage
 from engine.stages.messages import CancelJob, DetokenizeMessage, GenerateMessage, Job
 from engine.stages.prefill import PrefillStage
 from engine.stages.queues import AdmissionQueue, Credits
-from engine.types import EngineProtocol, PromptTooLongError
+from engine.types import EngineProtocol
 
 __all__ = [
     "Orchestrator",
@@ -288,25 +288,13 @@ class Orchestrator:
     # internals
 
     def _new_job(self, request: ActiveRequest) -> Job:
-        engine = self._engine
-        prompt_len = len(request.prompt_ids)
-        if prompt_len > engine.max_prompt_len:
-            raise PromptTooLongError(prompt_len, engine.max_prompt_len)
-        room = engine.max_model_len - prompt_len
-        if request.max_tokens is not None and request.max_tokens > room:
-            raise PromptTooLongError(
-                prompt_len,
-                engine.max_model_len - request.max_tokens,
-                f"room left for the prompt in the {engine.max_model_len}-token context "
-                f"after max_tokens={request.max_tokens}",
-            )
+        max_new = self._engine.limits.check(len(request.prompt_ids), request.max_tokens)
         sampling = request.sampling
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         samplings = tuple(
             dataclasses.replace(sampling, seed=_wrap_int64(seed + i * _SEED_STRIDE))
             for i in range(request.n)
         )
-        max_new = room if request.max_tokens is None else request.max_tokens
         return Job(request, RequestStream(request.request_id, request.n), samplings, max_new)
 
     def _job_done(self, job: Job) -> None:

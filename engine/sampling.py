@@ -8,6 +8,7 @@ token order, so a seeded row samples the same token whatever shares its batch.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -52,16 +53,17 @@ def host_arrays(sampling: SamplingParams) -> SamplingArrays:
     """One request's sampling as host scalars; dtypes fixed so jit never retraces."""
     if sampling.seed is None:
         raise ValueError("sampling.seed must be set before the engine sees the request")
-    return SamplingArrays(
-        temperature=np.float32(sampling.temperature),
-        top_k=np.int32(max(sampling.top_k, 0)),
-        top_p=np.float32(sampling.top_p),
-        presence_penalty=np.float32(sampling.presence_penalty),
-        frequency_penalty=np.float32(sampling.frequency_penalty),
-        min_tokens=np.int32(sampling.min_tokens),
-        key=seed_key(sampling.seed),
-        logprobs=np.bool_(sampling.logprobs is not None),
-    )
+    host: dict[str, Any] = {  # numpy values: jit takes them where it takes device arrays
+        "temperature": np.float32(sampling.temperature),
+        "top_k": np.int32(max(sampling.top_k, 0)),
+        "top_p": np.float32(sampling.top_p),
+        "presence_penalty": np.float32(sampling.presence_penalty),
+        "frequency_penalty": np.float32(sampling.frequency_penalty),
+        "min_tokens": np.int32(sampling.min_tokens),
+        "key": seed_key(sampling.seed),
+        "logprobs": np.bool_(sampling.logprobs is not None),
+    }
+    return SamplingArrays(**host)
 
 
 def top_logprobs(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -183,15 +185,96 @@ def sample(
     """Sample one token per row of logits (B, vocab).
 
     index (B,): which generated token this is (key = fold_in(key, index));
-    counts (B, vocab): how often each token was generated so far (penalties);
+    counts (>= B, vocab): how often each token was generated so far (penalties;
+    rows past B belong to other slots and are never read);
     generated (B,): tokens generated so far (min_tokens); eos_mask (vocab,).
     Logprobs (a log-softmax and a top-20 over the vocabulary, ~1 ms of a
     16-slot step of a 32k-vocabulary model on CPU) are computed only when
-    some row asks for them; the other rows' fields are then zeros. Likewise
+    some row asks for them (a row that does not ask may get zeros). Likewise
     penalties and min_tokens cost passes over the vocabulary only when some
-    row has them.
+    row has them. A batch of plain greedy rows runs one argmax and nothing
+    else (its branch returns only (B,)-sized arrays: a branch that passes
+    the logits through is a copy of them); otherwise every row gets the
+    argmax, and only the rows that need more are copied out, GATHERED_ROWS
+    at a time, for the passes over the vocabulary. Every row's result
+    depends on that row alone, so a row gets the same bits either way.
     """
     logits = logits.astype(jnp.float32)
+    special = (
+        penalized(params)
+        | (generated < params.min_tokens)
+        | (params.temperature > 0)
+        | params.logprobs
+    )
+    return lax.cond(
+        jnp.any(special),
+        functools.partial(_sample_special, special=special),
+        _greedy,
+        logits,
+        params,
+        index,
+        counts,
+        generated,
+        eos_mask,
+    )
+
+
+GATHERED_ROWS = 4  # special rows sampled together, copied out of the batch
+
+
+def _sample_special(
+    logits: jax.Array,
+    params: SamplingArrays,
+    index: jax.Array,
+    counts: jax.Array,
+    generated: jax.Array,
+    eos_mask: jax.Array,
+    *,
+    special: jax.Array,
+) -> Sampled:
+    """Argmax for every row, then _sample_any over the special rows only, GATHERED_ROWS at a
+    time: copied out, sampled, and written back over theirs."""
+    rows = logits.shape[0]
+    group = min(GATHERED_ROWS, rows)
+    count = jnp.sum(special.astype(jnp.int32))
+    groups = -(-rows // group)
+    picked = jnp.nonzero(special, size=groups * group, fill_value=rows)[0]  # rows: padding
+
+    def one_group(g: jax.Array, out: Sampled) -> Sampled:
+        mine = lax.dynamic_slice_in_dim(picked, g * group, group)
+        take = jnp.minimum(mine, rows - 1)
+        some = _sample_any(
+            logits[take],
+            jax.tree.map(lambda a: a[take], params),
+            index[take],
+            counts[take],
+            generated[take],
+            eos_mask,
+        )
+        return Sampled(*(a.at[mine].set(b, mode="drop") for a, b in zip(out, some, strict=True)))
+
+    return lax.fori_loop(0, (count + group - 1) // group, one_group, _greedy(logits))
+
+
+def _greedy(logits: jax.Array, *_: Any) -> Sampled:
+    """What _sample_any gives rows that are greedy without penalties or logprobs, bit for bit."""
+    rows = logits.shape[0]
+    return Sampled(
+        argmax(logits),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+        jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
+    )
+
+
+def _sample_any(
+    logits: jax.Array,
+    params: SamplingArrays,
+    index: jax.Array,
+    counts: jax.Array,
+    generated: jax.Array,
+    eos_mask: jax.Array,
+) -> Sampled:
     adjusting = jnp.any(penalized(params) | (generated < params.min_tokens))
     adjusted = lax.cond(
         adjusting,
@@ -235,7 +318,7 @@ def _adjust(
     eos_mask: jax.Array,
 ) -> jax.Array:
     """Penalties, then EOS held back below min_tokens: two passes over (B, vocab)."""
-    counts_f = counts.astype(jnp.float32)
+    counts_f = counts[: logits.shape[0]].astype(jnp.float32)
     adjusted = (
         logits
         - params.presence_penalty[:, None] * (counts_f > 0)
@@ -254,16 +337,34 @@ def _logprobs(logits: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array
 
 
 def argmax(x: jax.Array) -> jax.Array:
-    """Per row, the first index of the maximum, as jnp.argmax gives (0 for a row holding NaN).
+    """Per row, the first index of the maximum, as jnp.argmax gives (NaN counts as the maximum).
 
-    A max and then a min over matching indices: two vectorized passes, where
-    XLA's CPU backend runs jnp.argmax's paired reduction ~4x slower (1.3 ms of a
-    16-slot step over a 32k vocabulary).
+    In blocks of ARGMAX_BLOCK or so positions when the row length divides into
+    them: the first block holding the row's maximum, then the first maximum
+    inside it. Over 32 rows of a 128k vocabulary, XLA's CPU backend ran
+    jnp.argmax's paired (value, index) reduction in ~10% of the lm_head
+    product's time, and a max then a first-index pass in ~90% (the second
+    pass's select was materialized); this costs about one max (~1.5%).
     """
-    n = x.shape[-1]
-    top = jnp.max(x, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(x == top, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
-    return jnp.where(first < n, first, 0).astype(jnp.int32)
+    rows, n = x.shape
+    block = _argmax_block(n)
+    if block is None:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    blocks = x.reshape(rows, n // block, block)
+    best = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1).astype(jnp.int32)
+    inside = jnp.take_along_axis(blocks, best[:, None, None], axis=1)[:, 0]
+    return best * block + jnp.argmax(inside, axis=-1).astype(jnp.int32)
+
+
+ARGMAX_BLOCK = 512  # positions per argmax block (a divisor of the vocabulary near this)
+
+
+def _argmax_block(n: int) -> int | None:
+    """The divisor of n nearest ARGMAX_BLOCK within 4x of it, or None (then one pass)."""
+    if n <= ARGMAX_BLOCK:
+        return None
+    divisors = [d for d in range(ARGMAX_BLOCK // 4, 4 * ARGMAX_BLOCK + 1) if n % d == 0]
+    return min(divisors, key=lambda d: abs(d - ARGMAX_BLOCK), default=None)
 
 
 def _draw(adjusted: jax.Array, params: SamplingArrays, index: jax.Array) -> jax.Array:

@@ -88,8 +88,10 @@ def insert_prefix(
     """Put a prefilled prompt (per layer k: (kv_heads, head_dim, bucket), v: (kv_heads,
     bucket, head_dim)) into positions 0..bucket-1 of `slot`.
 
-    Buckets and chunks are powers of two, so a bucket fills whole chunks and key
-    blocks, or (a bucket smaller than one) the start of the first.
+    A bucket of any length fills whole chunks and then the start of one more.
+    Keys longer than a key block are padded with zeros to whole blocks first
+    (positions past the prompt are rewritten by decode before any step sees
+    them); the cache's capacity is a whole number of chunks, so they fit.
     """
     size = state.v_cache[0][0].shape[2]
     block = state.k_cache[0][0].shape[-1]
@@ -97,6 +99,10 @@ def insert_prefix(
     def put(
         chunks: tuple[jax.Array, ...], prompt: jax.Array, axis: int, keys: bool
     ) -> tuple[jax.Array, ...]:
+        if keys and prompt.shape[axis] > block:
+            pad = [(0, 0)] * prompt.ndim
+            pad[axis] = (0, -prompt.shape[axis] % block)
+            prompt = jnp.pad(prompt, pad)
         bucket = prompt.shape[axis]
         pieces = [
             lax.slice_in_dim(prompt, i * size, min(bucket, (i + 1) * size), axis=axis)
@@ -142,42 +148,52 @@ def decode_step(
     eos_mask: jax.Array,
     cfg: ModelConfig,
     max_len: int,
+    rows: int | None = None,
 ) -> tuple[DecodeState, Sampled, jax.Array, jax.Array]:
-    """Feed every slot's last token, sample the next -> (state, sampled, active, logits).
+    """Feed the first `rows` slots' last tokens (default: every slot), sample the next
+    -> (state, sampled, active, logits).
 
-    Idle slots compute too (the batch shape is fixed) but their length, token
-    and counters stay put; they sit at position 0, so they never make the
-    step read more of the cache. A slot that reaches max_len becomes idle.
+    sampled and active cover every slot (zeros / False past `rows`); logits
+    are (rows, vocab). Slots past `rows` are not computed and every part of
+    their state stays as it was, so a caller steps a bucket that covers every
+    busy slot. Idle slots inside it compute too but their length, token and
+    counters stay put; they sit at position 0, so they never make the step
+    read more of the cache. A slot that reaches max_len becomes idle.
     """
-    positions = jnp.where(state.active, jnp.minimum(state.lengths, max_len - 1), 0)
+    slots = state.lengths.shape[0]
+    rows = slots if rows is None else rows
+
+    def head(a: jax.Array) -> jax.Array:
+        return a if rows == slots else a[:rows]
+
+    def put(full: jax.Array, part: jax.Array) -> jax.Array:
+        return part if rows == slots else lax.dynamic_update_slice_in_dim(full, part, 0, 0)
+
+    active, lengths, tokens = head(state.active), head(state.lengths), head(state.tokens)
+    generated, sampling = head(state.generated), jax.tree.map(head, state.sampling)
+    positions = jnp.where(active, jnp.minimum(lengths, max_len - 1), 0)
     logits, k_cache, v_cache = decode_forward(
-        params, state.tokens, positions, state.k_cache, state.v_cache, inv_freq, cfg
+        params, tokens, positions, state.k_cache, state.v_cache, inv_freq, cfg
     )
-    out = sample(logits, state.sampling, state.generated, state.counts, state.generated, eos_mask)
-    active = state.active
+    out = sample(logits, sampling, generated, state.counts, generated, eos_mask)
     step = active.astype(jnp.int32)
-    vocab = state.counts.shape[1]
     # Only penalties read the counts: a slot without them may keep stale ones (insert resets).
     new_counts = lax.cond(
-        jnp.any(active & penalized(state.sampling)),
-        lambda counts: (
-            counts
-            + ((jnp.arange(vocab)[None, :] == out.token[:, None]) & active[:, None]).astype(
-                jnp.int32
-            )
-        ),
+        jnp.any(active & penalized(sampling)),
+        lambda counts: counts.at[jnp.arange(rows), out.token].add(step),
         lambda counts: counts,
         state.counts,
     )
-    lengths = state.lengths + step
+    lengths = lengths + step
     new_state = DecodeState(
         k_cache=k_cache,
         v_cache=v_cache,
-        lengths=lengths,
-        tokens=jnp.where(active, out.token, state.tokens),
-        generated=state.generated + step,
+        lengths=put(state.lengths, lengths),
+        tokens=put(state.tokens, jnp.where(active, out.token, tokens)),
+        generated=put(state.generated, generated + step),
         counts=new_counts,
         sampling=state.sampling,
-        active=active & (lengths < max_len),
+        active=put(state.active, active & (lengths < max_len)),
     )
-    return new_state, out, active, logits
+    every_slot = jax.tree.map(lambda a: put(jnp.zeros((slots, *a.shape[1:]), a.dtype), a), out)
+    return new_state, every_slot, put(jnp.zeros((slots,), bool), active), logits

@@ -27,14 +27,57 @@ class CheckpointError(EngineError, ValueError):
 
 
 class PromptTooLongError(EngineError, ValueError):
-    """A prompt does not fit the largest prefill bucket or the context."""
+    """A prompt does not fit the largest prefill bucket or the context.
 
-    def __init__(self, prompt_tokens: int, limit: int, what: str = "maximum prompt length"):
+    `param` names the request field to blame: "prompt" when the prompt alone is too
+    long, "max_tokens" when the prompt fits but not with the completion asked for.
+    """
+
+    def __init__(self, message: str, prompt_tokens: int, limit: int, param: str = "prompt"):
         self.prompt_tokens = prompt_tokens
         self.limit = limit
-        super().__init__(
-            f"prompt has {prompt_tokens} tokens, more than the {what} of {limit} tokens"
-        )
+        self.param = param
+        super().__init__(message)
+
+
+DTYPE_NAMES = ("float32", "bfloat16")  # what --dtype takes; engine.checkpoint maps them
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a loaded engine can take, published once and asked by everyone.
+
+    The server turns `check` into 400s before queueing; the orchestrator calls the
+    same `check` when it admits a request, so the rule cannot drift.
+    """
+
+    max_model_len: int  # prompt + completion tokens
+    max_prompt_len: int  # min(largest prefill bucket, max_model_len - 1)
+    vocab_size: int  # the model's: token ids and top_k are bounded by it
+
+    def check(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The completion's token budget, or PromptTooLongError saying which field is over."""
+        if prompt_tokens > self.max_prompt_len:
+            raise PromptTooLongError(
+                f"This model's maximum prompt length is {self.max_prompt_len} tokens. "
+                f"However, your prompt has {prompt_tokens} tokens.",
+                prompt_tokens,
+                self.max_prompt_len,
+            )
+        room = self.max_model_len - prompt_tokens
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} "
+                f"in the prompt, {max_tokens} in the completion). Please reduce the prompt "
+                "or max_tokens.",
+                prompt_tokens,
+                self.max_model_len,
+                param="max_tokens",
+            )
+        return max_tokens
 
 
 @dataclass(frozen=True)
@@ -115,8 +158,9 @@ class StepOutput:
     """One generate step for every slot, as device arrays (copy them off the generate thread).
 
     tokens, logprobs: (slots,); top_ids, top_logprobs: (slots, MAX_LOGPROBS);
-    active: (slots,) bool, whether the slot was busy in this step. A slot's
-    entries are meaningful only while the orchestrator considers it busy.
+    active: (slots,) bool, whether the slot was busy in this step (never past
+    the step's batch). A slot's entries are meaningful only while the
+    orchestrator considers it busy.
     """
 
     tokens: Any
@@ -139,6 +183,11 @@ class EngineProtocol(Protocol):
         """min(largest bucket, max_model_len - 1)."""
         ...
 
+    @property
+    def limits(self) -> EngineLimits:
+        """The shapes a request must fit; the one owner of the length rules."""
+        ...
+
     def init_state(self) -> Any: ...
 
     def prefill(
@@ -154,6 +203,16 @@ class EngineProtocol(Protocol):
         """
         ...
 
+    def batch_fits(self, lengths: Sequence[int]) -> bool:
+        """Whether prompts of these lengths can be prefilled in one `prefill_batch` call."""
+        ...
+
+    def prefill_batch(
+        self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]
+    ) -> list[Prefix]:
+        """Prefill several prompts in one call; each Prefix is the one `prefill` would give."""
+        ...
+
     def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
         """The same prompt KV with the first token sampled anew (n > 1 samples, other seeds)."""
         ...
@@ -162,8 +221,13 @@ class EngineProtocol(Protocol):
         """Put a prefix into a slot; the state is donated."""
         ...
 
-    def generate(self, state: Any) -> tuple[Any, StepOutput]:
-        """One decode step for all slots; the state is donated. Never blocks on the host."""
+    def decode_bucket(self, busy_rows: int) -> int:
+        """The smallest batch `generate` is compiled for that covers slots 0..busy_rows-1."""
+        ...
+
+    def generate(self, state: Any, batch: int | None = None) -> tuple[Any, StepOutput]:
+        """One decode step for slots 0..batch-1 (a decode bucket; None: all slots); the state
+        is donated, other slots are left as they are. Never blocks on the host."""
         ...
 
     def free(self, state: Any, slot: int) -> Any:

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from types import FrameType
 from typing import Any
 
@@ -123,8 +123,8 @@ class DrainingServer(uvicorn.Server):
         self._spawn(self._exit_when_requested())
         await super().serve(sockets)
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

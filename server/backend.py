@@ -13,6 +13,7 @@ from typing import Protocol
 
 from engine.orchestrator import OrchestratorStats
 from engine.request import ActiveRequest, RequestStream
+from engine.types import EngineLimits
 
 
 class TokenizerClient(Protocol):
@@ -60,13 +61,7 @@ class OrchestratorClient(Protocol):
     def add_failure_listener(self, listener: Callable[[BaseException], None]) -> None: ...
 
 
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the loaded engine can take; filled from the engine after loading."""
-
-    max_model_len: int
-    max_prompt_len: int
-    vocab_size: int  # the model's (token ids and top_k are bounded by it)
+ModelLimits = EngineLimits  # the engine publishes them; the server only asks
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from engine.types import DTYPE_NAMES as DTYPES
+
 ENV_PREFIX = "LLM_SERVER_"
 LOG_FORMATS = ("json", "text")
-DTYPES = ("float32", "bfloat16")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -32,6 +33,7 @@ class ServerConfig:
     max_model_len: int | None = None  # None: the checkpoint's (capped by the engine)
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two up to the context
     dtype: str = "float32"
+    max_prefill_batch: int = 8  # prompts prefilled in one call (1: one at a time)
     max_queued_samples: int = 256  # admission bound, in samples (prompts x n), before 429
     api_key: str | None = None
     log_level: str = "info"
@@ -57,7 +59,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_slots", "max_queued_samples", "max_request_bytes"):
+        for name in ("max_slots", "max_queued_samples", "max_request_bytes", "max_prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -143,6 +145,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "max_model_len": (int, "context length: prompt + completion tokens"),
     "prefill_buckets": (_buckets, "comma list of prefill padding lengths"),
     "dtype": (str, "float32 or bfloat16"),
+    "max_prefill_batch": (int, "prompts waiting together prefilled in one call (1: off)"),
     "max_queued_samples": (int, "samples (prompts x n) waiting for prefill before 429"),
     "api_key": (str, "require 'Authorization: Bearer <key>' on /v1 routes"),
     "log_level": (str, "debug, info, warning, error"),
@@ -204,7 +207,7 @@ def parse_config(
     if values.get("api_key") == "":
         values["api_key"] = None
     known = {f.name for f in fields(ServerConfig)}
-    return ServerConfig(**{k: v for k, v in values.items() if k in known})
+    return ServerConfig(**{k: v for k, v in values.items() if k in known})  # type: ignore[arg-type]
 
 
 def _env(name: str) -> str:

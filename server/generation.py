@@ -252,6 +252,10 @@ class Generation:
                 yield encode_event(shaper.usage_chunk(self.completion_tokens))
         except APIError as error:
             yield error_event(error)
+        except Exception:  # a formatting bug: the client still gets an error and [DONE]
+            logger.exception("streaming a response failed")
+            self._log.error = "internal_error"
+            yield error_event(APIError(500, "internal server error", code="internal_error"))
         finally:
             await self.close()
         yield DONE
@@ -305,7 +309,7 @@ def _submit_error(exc: BaseException) -> BaseException:
     if isinstance(exc, Unavailable):
         return APIError(503, str(exc) or "server unavailable", code="unavailable")
     if isinstance(exc, PromptTooLongError):
-        return bad_request(str(exc), param="prompt", code="context_length_exceeded")
+        return bad_request(str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     return exc

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from server.backend import Backend, ModelLimits
+from server.backend import Backend
 from server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def load_backend(config: ServerConfig) -> Backend:
             max_slots=config.max_slots,
             max_model_len=config.max_model_len,
             prefill_buckets=_fit_buckets(config.prefill_buckets, config.max_model_len),
+            max_prefill_batch=config.max_prefill_batch,
         )
     )
     engine.warmup()
@@ -65,11 +66,7 @@ def load_backend(config: ServerConfig) -> Backend:
         ),
     )
     orchestrator.start()
-    limits = ModelLimits(
-        max_model_len=engine.max_model_len,
-        max_prompt_len=engine.max_prompt_len,
-        vocab_size=engine.vocab_size,
-    )
+    limits = engine.limits
     return Backend(tokenizer=tokenizer, orchestrator=orchestrator, limits=limits)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import ActiveRequest
-from engine.types import SamplingParams
+from engine.types import PromptTooLongError, SamplingParams
 from server.backend import ModelLimits, TokenizerClient
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
@@ -54,7 +54,7 @@ def prompt_items(request: CompletionRequest, config: ServerConfig) -> list[str |
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
     elif prompt and isinstance(prompt[0], int):
-        items = [list(prompt)]  # type: ignore[arg-type]
+        items = [list(prompt)]
     else:
         items = list(prompt)  # type: ignore[arg-type]
     if len(items) > config.max_prompts:
@@ -182,22 +182,15 @@ def sampling_params(
 
 
 def check_length(prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str) -> None:
-    """400 when the prompt does not fit, or prompt + max_tokens exceeds the context."""
-    if prompt_len > limits.max_prompt_len:
-        raise bad_request(
-            f"This model's maximum prompt length is {limits.max_prompt_len} tokens. "
-            f"However, your prompt has {prompt_len} tokens.",
-            param=param,
-            code="context_length_exceeded",
-        )
-    if max_tokens is not None and prompt_len + max_tokens > limits.max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {limits.max_model_len} tokens. "
-            f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
-            f"prompt, {max_tokens} in the completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    """400 when the prompt does not fit, or prompt + max_tokens exceeds the context.
+
+    The rule is the engine's (EngineLimits.check), the same the orchestrator applies.
+    """
+    try:
+        limits.check(prompt_len, max_tokens)
+    except PromptTooLongError as exc:
+        blamed = param if exc.param == "prompt" else exc.param
+        raise bad_request(str(exc), param=blamed, code="context_length_exceeded") from exc
 
 
 def build_requests(

@@ -238,7 +238,7 @@ class ResponsesShaper:
             "tools": [],
             "top_p": 1.0 if request.top_p is None else request.top_p,
             "truncation": "disabled",
-            "usage": self.usage(completion_tokens) if done else None,
+            "usage": self.usage(completion_tokens) if completion_tokens is not None else None,
             "user": request.user,
         }
 
@@ -268,9 +268,9 @@ async def stream_events(generation: Generation, shaper: ResponsesShaper) -> Asyn
         for event in shaper.opening():
             yield events.encode(event)
         async for item in generation.deltas():
-            event = shaper.apply(item)
-            if event is not None:
-                yield events.encode(event)
+            piece = shaper.apply(item)
+            if piece is not None:
+                yield events.encode(piece)
         for event in shaper.closing(generation.completion_tokens):
             yield events.encode(event)
     except APIError as error:

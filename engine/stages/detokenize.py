@@ -42,9 +42,12 @@ class Detokenizer(Protocol):
 
 
 class TextStep(Protocol):
-    text: str
-    finish_reason: str | None
-    stop_reason: str | int | None
+    @property
+    def text(self) -> str: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def stop_reason(self) -> str | int | None: ...
 
 
 class TextStream(Protocol):
@@ -68,7 +71,7 @@ def text_streams(
     eos = frozenset(eos_token_ids)
 
     def new(request: ActiveRequest, sampling: SamplingParams) -> TextStream:
-        return Stream(
+        stream: TextStream = Stream(
             new_detokenizer(request.prompt_ids, request.skip_special_tokens),
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
@@ -76,6 +79,7 @@ def text_streams(
             min_tokens=sampling.min_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
         )
+        return stream
 
     return new
 

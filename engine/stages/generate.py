@@ -9,6 +9,8 @@ queue), with device arrays it never waits on.
 It blocks only when no slot is busy and nothing is pending. A slot is freed
 here as soon as its sample has used its token budget (max_tokens or the
 context end), and otherwise when the detokenize stage says the sample ended.
+Slots are handed out lowest first, so the busy ones sit low, and each step
+runs the engine's smallest decode bucket that covers the highest busy slot.
 """
 
 from __future__ import annotations
@@ -154,7 +156,9 @@ class GenerateStage:
 
     def _step(self) -> None:
         self._fault.tick()
-        self._state, output = self._engine.generate(self._state)
+        highest = max(slot for slot, occupant in enumerate(self._slots) if occupant is not None)
+        batch = self._engine.decode_bucket(highest + 1)
+        self._state, output = self._engine.generate(self._state, batch)
         self.steps += 1
         put(self._outbox, StepTokens(output, self._leases), self._stop)
         for slot, occupant in enumerate(self._slots):

@@ -1,7 +1,9 @@
 """The prefill stage: prompts in, prefilled samples out.
 
-Runs on: the prefill thread. Owns: nothing but its calls into engine.prefill
-and engine.resample. Receives: Job (admission queue). Emits: PrefillDone into
+Runs on: the prefill thread. Owns: nothing but its calls into engine.prefill,
+engine.prefill_batch and engine.resample. Prompts waiting together are
+prefilled in one call, as many as the engine says fit one of its compiled
+(batch, length) shapes. Receives: Job (admission queue). Emits: PrefillDone into
 its sink, which is the generate inbox when prefill and generate share devices
 and would be a transfer stage's inbox in disaggregated mode.
 """
@@ -16,7 +18,7 @@ from typing import Protocol
 from engine.stages.faults import Fault
 from engine.stages.messages import Job, PrefillDone
 from engine.stages.queues import AdmissionQueue, Credits
-from engine.types import EngineProtocol
+from engine.types import EngineProtocol, Prefix
 
 # What the engine raises for a request whose data it cannot take (a prompt too long, an id
 # out of the vocabulary, a value that does not convert to its device dtype). The server
@@ -53,21 +55,56 @@ class PrefillStage:
         while not self._stop.is_set():
             job = self._admission.get(self._stop)
             if job is not None and not job.cancelled.is_set():
-                self._prefill(job)
+                self._prefill(self._gather(job))
 
-    def _prefill(self, job: Job) -> None:
-        """Prefill once; n > 1 samples reuse the prompt KV with their own first token."""
-        request = job.request
-        job.stream.timings.prefill_start = time.monotonic()
-        self._fault.tick()
+    def _gather(self, first: Job) -> list[Job]:
+        """`first` and the jobs queued right behind it that fit one prefill call with it."""
+        if first.request.prompt_logprobs:  # echo + logprobs needs every position's logits
+            return [first]
+        lengths = [len(first.request.prompt_ids)]
+
+        def fits(waiting: Job) -> bool:
+            together = [*lengths, len(waiting.request.prompt_ids)]
+            if waiting.request.prompt_logprobs or not self._engine.batch_fits(together):
+                return False
+            lengths.append(together[-1])
+            return True
+
+        return [first, *self._admission.take_while(fits)]
+
+    def _prefill(self, batch: list[Job]) -> None:
+        """Prefill the batch in one engine call; a request's bad data fails it alone."""
+        started = time.monotonic()
+        for job in batch:
+            job.stream.timings.prefill_start = started
+            self._fault.tick()
         try:
-            prefix = self._engine.prefill(
-                request.prompt_ids, job.samplings[0], prompt_logprobs=request.prompt_logprobs
-            )
-        except REQUEST_ERRORS as exc:  # this request's fault, not the stage's
-            self._reject(job, exc)
+            if len(batch) == 1:
+                request = batch[0].request
+                prefixes = [
+                    self._engine.prefill(
+                        request.prompt_ids,
+                        batch[0].samplings[0],
+                        prompt_logprobs=request.prompt_logprobs,
+                    )
+                ]
+            else:
+                prompts = [(job.request.prompt_ids, job.samplings[0]) for job in batch]
+                prefixes = self._engine.prefill_batch(prompts)
+        except REQUEST_ERRORS as exc:  # this request's fault (or one of the batch's)
+            if len(batch) == 1:
+                self._reject(batch[0], exc)
+            else:  # find which: each alone
+                for job in batch:
+                    self._prefill([job])
             return
-        job.stream.timings.prefill_end = time.monotonic()
+        ended = time.monotonic()
+        for job, prefix in zip(batch, prefixes, strict=True):
+            job.stream.timings.prefill_end = ended
+            self._hand_on(job, prefix)
+
+    def _hand_on(self, job: Job, prefix: Prefix) -> None:
+        """Every sample of the job to the sink; n > 1 reuse the prompt KV, new first tokens."""
         for index, sampling in enumerate(job.samplings):
             if job.cancelled.is_set() or not self._credits.acquire(self._stop):
                 return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import TypeVar
 
 from engine.request import Overloaded
@@ -125,6 +126,16 @@ class AdmissionQueue:
             job = self._jobs.popleft()
             self._samples -= job.request.n
             return job
+
+    def take_while(self, accept: Callable[[Job], bool]) -> list[Job]:
+        """Pop waiting jobs from the head, in order, while `accept` says yes (never blocks)."""
+        taken: list[Job] = []
+        with self._cond:
+            while self._jobs and accept(self._jobs[0]):
+                job = self._jobs.popleft()
+                self._samples -= job.request.n
+                taken.append(job)
+        return taken
 
     def remove(self, job: Job) -> bool:
         """Take a job out if it is still waiting; False if prefill already has it."""

@@ -1,4 +1,5 @@
-"""A request's tokens do not depend on its slot, its start step, or the other requests."""
+"""A request's tokens do not depend on its slot, its start step, the other requests, or the
+decode bucket its steps run in (alone: bucket 1, as the generate stage steps it)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def run_alone(engine, sampling: SamplingParams) -> list[int]:
     state = engine.insert(prefix, engine.init_state(), 0)
     tokens = [int(prefix.token)]
     for _ in range(STEPS):
-        state, out = engine.generate(state)
+        state, out = engine.generate(state, engine.decode_bucket(1))
         tokens.append(int(out.tokens[0]))
     return tokens
 
@@ -80,7 +81,8 @@ def test_a_deep_neighbour_changes_no_bit_of_a_short_request(small_engine):
             state = engine.insert(engine.prefill(deep, greedy), state, 3)
         rows = []
         for _ in range(3):
-            state, _, logits = engine.generate_with_logits(state)
+            batch = engine.decode_bucket(4 if with_deep else 1)
+            state, _, logits = engine.generate_with_logits(state, batch)
             rows.append(np.asarray(logits[0]))
         return rows
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine.engine import Engine, EngineConfig
-from engine.model import _write_position
+from engine.model import _write_chunk
 
 SLOTS, KV, HEAD_DIM, CHUNK, CHUNKS, BLOCK = 3, 2, 4, 8, 3, 4
 
@@ -47,9 +47,10 @@ def _expected(cache: np.ndarray, new: np.ndarray, positions: np.ndarray, keys: b
         [CHUNK + 1, 2, CHUNK + 1],  # the last chunk holds no position: left as it is
     ],
 )
+@pytest.mark.parametrize("rows", [SLOTS, SLOTS - 1])  # every slot; a decode batch bucket
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_write_position_sets_each_slot_column_and_nothing_else(
-    dtype: str, positions: list[int]
+    dtype: str, positions: list[int], rows: int
 ) -> None:
     rng = np.random.default_rng(0)
     dt = jnp.dtype(dtype)
@@ -59,13 +60,17 @@ def test_write_position_sets_each_slot_column_and_nothing_else(
     v_full = np.asarray(jnp.asarray(v_full, dt).astype(jnp.float32))
     k_new = np.asarray(jnp.asarray(rng.standard_normal((SLOTS, KV, HEAD_DIM)), dt), np.float32)
     v_new = np.asarray(jnp.asarray(rng.standard_normal((SLOTS, KV, HEAD_DIM)), dt), np.float32)
-    positions = np.array(positions, np.int32)
+    positions = np.array(positions, np.int32)[:rows]
+    k_new, v_new = k_new[:rows], v_new[:rows]
 
     k_chunks = tuple(jnp.asarray(c, dt) for c in _key_chunks(k_full))
     v_chunks = tuple(jnp.asarray(c, dt) for c in np.split(v_full, CHUNKS, axis=2))
-    got_k, got_v = jax.jit(_write_position)(
-        k_chunks, v_chunks, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(positions)
-    )
+    write = jax.jit(_write_chunk, static_argnames=("index",))
+    written = [
+        write(kc, vc, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(positions), index=i)
+        for i, (kc, vc) in enumerate(zip(k_chunks, v_chunks, strict=True))
+    ]
+    got_k, got_v = [k for k, _ in written], [v for _, v in written]
 
     for got, want in zip(got_k, _expected(k_full, k_new, positions, keys=True), strict=True):
         assert got.dtype == dt
@@ -87,7 +92,7 @@ def test_bfloat16_decode_step_does_not_widen_the_cache(tiny_checkpoint_of) -> No
     state = engine.init_state()
     chunk_shapes = {tuple(c.shape) for layer in state.k_cache + state.v_cache for c in layer}
     args = (engine.params, state, engine._inv_freq, engine._eos_mask)
-    text = engine._generate.lower(*args).compile().as_text()
+    text = engine._generate.lower(*args, rows=engine.max_slots).compile().as_text()
     text = text[text.index("\nENTRY") :]  # materialized arrays; fusion bodies are loops
     widened = {
         shape

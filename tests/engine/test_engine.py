@@ -25,7 +25,14 @@ def test_default_buckets_end_at_the_max_prefill_length():
 
 
 def test_cache_chunks_are_powers_of_two_covering_max_model_len(small_engine):
-    assert [attention_chunk(n) for n in (8, 64, 100, 1024, 4096)] == [16, 16, 16, 128, 512]
+    assert [attention_chunk(n) for n in (8, 64, 100, 1024, 4096, 2**17)] == [
+        16,
+        16,
+        16,
+        128,
+        256,  # at most 256 positions ...
+        2048,  # ... while that needs at most 64 chunks
+    ]
     state = small_engine.init_state()
     assert len(state.k_cache[0]) == 4
     # slots, kv heads, key blocks, head_dim, block (chunk 16 < KEY_BLOCK: one block)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import jax
+import numpy as np
 import pytest
 
 from engine.types import SamplingParams
@@ -60,9 +61,28 @@ def test_a_long_decode_across_cache_chunks_compiles_nothing(small_engine, compil
     active = []
     for _ in range(engine.max_model_len):
         state, out = engine.generate(state)
-        active.append(bool(out.active[2]))
+        active.append(bool(np.asarray(out.active)[2]))  # indexing on the device compiles
     jax.block_until_ready(out.tokens)
     assert active.count(True) == engine.max_model_len - 1  # ran to the end of the cache
+    assert compile_events == []
+    assert {name: f._cache_size() for name, f in jitted(engine).items()} == sizes_before
+
+
+def test_every_decode_bucket_is_compiled_by_warmup(small_engine, compile_events):
+    """Each bucket, greedy alone (its own branch) and with other sampling, compiles nothing."""
+    engine = small_engine
+    sizes_before = {name: f._cache_size() for name, f in jitted(engine).items()}
+    assert engine.decode_buckets == (1, 2, 4)
+    state = engine.init_state()
+    greedy = SamplingParams(temperature=0.0, seed=1)
+    others = (SamplingParams(temperature=0.9, top_k=3, seed=2, logprobs=2), greedy)
+    for batch in engine.decode_buckets:
+        for sampling in (greedy, *others):
+            state = engine.free(state, batch - 1)
+            state = engine.insert(engine.prefill([3, 4, 5], sampling), state, batch - 1)
+            state, out = engine.generate(state, batch)
+            state, out, _ = engine.generate_with_logits(state, batch)
+    jax.block_until_ready(out.tokens)
     assert compile_events == []
     assert {name: f._cache_size() for name, f in jitted(engine).items()} == sizes_before
 

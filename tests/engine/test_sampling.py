@@ -180,11 +180,53 @@ def test_logprobs_only_for_batches_that_ask_and_tokens_the_same_either_way(logit
     assert not np.any(without.logprob) and not np.any(without.top_logprobs)
 
 
-def test_argmax_is_the_first_maximum():
+@pytest.mark.parametrize("special", [[], [2], [0, 5, 6, 7], [0, 1, 3, 5, 6]])
+def test_a_row_samples_the_same_alone_and_in_every_batch_path(special):
+    """Greedy rows only (argmax alone), at most GATHERED_ROWS rows that need more (those
+    rows sampled apart), more than that (the whole batch): each row as it is alone."""
+    from engine.sampling import GATHERED_ROWS
+
+    rows, vocab = 8, 600
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32) * 3)
+    kinds = [
+        dict(temperature=0.9, seed=11, logprobs=True),
+        dict(temperature=0.0, logprobs=True),
+        dict(temperature=0.7, top_k=5, top_p=0.8, seed=12),
+        dict(temperature=0.0, frequency_penalty=3.0),
+        dict(temperature=0.0, min_tokens=2),
+    ]
+    per_row = [
+        kinds[i % len(kinds)] if i in special else dict(temperature=0.0) for i in range(rows)
+    ]
+    params = [batch(1, **{"logprobs": False, "seed": 7, **kw}) for kw in per_row]
+    stacked = jax.tree.map(lambda *a: jnp.concatenate(a), *params)
+    counts = jnp.asarray(rng.integers(0, 3, size=(rows, vocab)).astype(np.int32))
+    index = jnp.arange(rows, dtype=jnp.int32) + 3
+    generated = jnp.ones((rows,), jnp.int32)
+    eos = np.zeros((vocab,), bool)
+    eos[int(np.argmax(np.asarray(logits[4])))] = True
+    together = jax.device_get(run(logits, stacked, index, counts, generated, eos))
+    assert (0 < len(special) <= GATHERED_ROWS) == (len(special) in (1, 4))
+    for i in range(rows):
+        alone = jax.device_get(
+            run(logits[i : i + 1], params[i], index[i : i + 1], counts[i : i + 1],
+                generated[i : i + 1], eos)
+        )  # fmt: skip
+        assert together.token[i] == alone.token[0], i
+        if per_row[i].get("logprobs"):
+            np.testing.assert_array_equal(together.logprob[i], alone.logprob[0])
+            np.testing.assert_array_equal(together.top_ids[i], alone.top_ids[0])
+
+
+@pytest.mark.parametrize("vocab", [40, 2000, 2003])  # one pass; blocks of 500; no divisor
+def test_argmax_is_the_first_maximum(vocab):
     rng = np.random.default_rng(2)
-    rows = rng.integers(-3, 3, size=(64, 40)).astype(np.float32)  # many ties
+    rows = rng.integers(-3, 3, size=(64, vocab)).astype(np.float32)  # many ties
     rows[5] = -np.inf
     rows[6, 17] = np.inf
+    rows[7, 499:501] = 9.0  # a tie across a block boundary
+    rows[8, [3, vocab - 1]] = np.nan
     got = jax.device_get(jax.jit(argmax)(jnp.asarray(rows)))
     np.testing.assert_array_equal(got, np.argmax(rows, axis=-1))
 

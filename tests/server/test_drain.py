@@ -20,7 +20,7 @@ import pytest
 from engine.fake import FakeDelays, FakeEngine, FakeTokenizer
 from engine.orchestrator import Orchestrator, OrchestratorConfig
 from engine.stages.detokenize import text_streams
-from server.backend import Backend, ModelLimits
+from server.backend import Backend
 from server.lifecycle import Runtime
 from tests.server.harness import LiveServer, make_config, serve_in_thread, sse_events, wait_ready
 
@@ -55,11 +55,7 @@ def fake_backend(step_s: float, max_queued_samples: int = 64) -> Backend:
         OrchestratorConfig(max_queued_samples=max_queued_samples),
     )
     orchestrator.start()
-    limits = ModelLimits(
-        max_model_len=engine.max_model_len,
-        max_prompt_len=engine.max_prompt_len,
-        vocab_size=engine.vocab_size,
-    )
+    limits = engine.limits
     return Backend(tokenizer=tokenizer, orchestrator=orchestrator, limits=limits)
 
 
