@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,18 @@ from engine.checkpoint import NP_DTYPES as DTYPES
 from engine.checkpoint import load_params
 from engine.config import load_model_config
 from engine.mesh import default_mesh, replicated
-from engine.model import logits_of, matmul_layout, prefill_forward, prefill_hidden
+from engine.model import (
+    logits_of,
+    matmul_layout,
+    prefill_chunk_hidden,
+    prefill_forward,
+    prefill_hidden,
+)
+from engine.prefix_cache import PREFIX_BLOCK, PrefixPool
 from engine.sampling import SamplingArrays, host_arrays, sample, top_logprobs
 from engine.state import DecodeState, decode_step, empty_state, free_slot, insert_prefix
 from engine.types import (
+    CacheStats,
     EngineLimits,
     Prefix,
     SamplingParams,
@@ -43,6 +51,7 @@ MIN_BUCKET = 16
 ATTENTION_CHUNKS = 8  # chunks of the cache, while a chunk stays within MAX_CHUNK positions
 MAX_CHUNK = 256
 MAX_CHUNKS = 64
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,12 @@ class EngineConfig:
     max_prefill_len: int | None = None
     max_prefill_batch: int = 8  # prompts one prefill call may take (1: no batching)
     max_prefill_batch_tokens: int = 2048  # rows x bucket of one batched prefill call
+    # Prompts longer than the largest bucket are prefilled this many tokens a call, on top
+    # of the KV of the chunks before (None: no chunking; buckets then reach the context).
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
+    # Blocks of PREFIX_BLOCK prompt tokens whose KV is kept for later prompts that start
+    # the same way (0: no prefix cache).
+    prefix_cache_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,6 +82,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_prefill_len is not None and self.max_prefill_len < 1:
             raise ValueError(f"max_prefill_len must be >= 1, got {self.max_prefill_len}")
+        if self.prefix_cache_blocks < 0:
+            raise ValueError(f"prefix_cache_blocks must be >= 0, got {self.prefix_cache_blocks}")
+        if self.prefill_chunk is not None and self.prefill_chunk < MIN_BUCKET:
+            raise ValueError(f"prefill_chunk must be >= {MIN_BUCKET}, got {self.prefill_chunk}")
         for name in ("max_prefill_batch", "max_prefill_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -151,7 +170,8 @@ def resolve_shapes(
     if config.prefill_buckets is not None:
         buckets = tuple(config.prefill_buckets)
     else:
-        buckets = default_buckets(min(config.max_prefill_len or max_len, max_len))
+        longest = min(config.max_prefill_len or max_len, max_len, config.prefill_chunk or max_len)
+        buckets = default_buckets(longest)
     if buckets[-1] > max_len:
         raise ValueError(f"prefill bucket {buckets[-1]} exceeds max_model_len {max_len}")
     return max_len, buckets
@@ -187,6 +207,27 @@ class Engine:
         )
         self.max_prefill_batch = max((r for r, _ in self.prefill_batch_shapes), default=1)
         self._prefill_many = jax.jit(functools.partial(self._prefill_many_impl, cfg=cfg))
+        self.prefill_chunk = config.prefill_chunk if self._chunks_prompts(config) else None
+        self.prefix_cache: PrefixPool | None = None
+        if self.prefill_chunk is not None or config.prefix_cache_blocks:
+            # Pieces of a prompt computed on top of the KV before them: chunks of a long
+            # prompt, and the rest of a prompt after a prefix-cache hit.
+            self._piece = self.prefill_chunk or self.prefill_buckets[-1]
+            capacity = self.max_prompt_len + self._piece  # a last piece may overhang the prompt
+            self._chunk_capacity = -(-capacity // PREFIX_BLOCK) * PREFIX_BLOCK
+            self._chunk_buffers = jax.jit(
+                functools.partial(_prompt_buffers, cfg, self._chunk_capacity, self.dtype),
+                out_shardings=self._sharding,
+            )
+            self._chunk_step = jax.jit(
+                functools.partial(self._chunk_impl, cfg=cfg),
+                donate_argnums=(3, 4),
+                static_argnames=("all_logits", "last"),
+            )
+        if config.prefix_cache_blocks:
+            self.prefix_cache = PrefixPool(
+                cfg, config.prefix_cache_blocks, self._chunk_capacity, self.dtype, self._sharding
+            )
         self._init_state = jax.jit(
             functools.partial(
                 empty_state,
@@ -207,16 +248,26 @@ class Engine:
             static_argnames=("rows",),
         )
         logger.info(
-            "engine ready: %s, %d slots, max_model_len %d, buckets %s, %s",
+            "engine ready: %s, %d slots, max_model_len %d, buckets %s, prefill chunk %s, "
+            "prefix cache %s bytes, %s",
             cfg.architecture,
             self.max_slots,
             self.max_model_len,
             self.prefill_buckets,
+            self.prefill_chunk,
+            0 if self.prefix_cache is None else self.prefix_cache.bytes,
             config.dtype,
         )
 
+    def _chunks_prompts(self, config: EngineConfig) -> bool:
+        """Chunking is on when asked for and some prompt would not fit the largest bucket."""
+        longest = self.prefill_buckets[-1]
+        return config.prefill_chunk is not None and longest < self.max_model_len - 1
+
     @property
     def max_prompt_len(self) -> int:
+        if self._chunks_prompts(self.config):
+            return self.max_model_len - 1
         return min(self.prefill_buckets[-1], self.max_model_len - 1)
 
     @property
@@ -285,10 +336,52 @@ class Engine:
         first = sample(last, sampling, zero, counts, zero, eos_mask)
         return {"k": k, "v": v, "last_logits": last, "first": first}
 
+    def _chunk_impl(
+        self,
+        params: Any,
+        tokens: jax.Array,
+        offset: jax.Array,
+        k_buf: tuple[jax.Array, ...],
+        v_buf: tuple[jax.Array, ...],
+        index: jax.Array,
+        next_tokens: jax.Array,
+        sampling: SamplingArrays,
+        inv_freq: jax.Array,
+        eos_mask: jax.Array,
+        *,
+        cfg: Any,
+        all_logits: bool,
+        last: bool,
+    ) -> dict[str, Any]:
+        """One chunk of a long prompt; the last one also samples the first token from the
+        logits at `index` (the prompt's last position within the chunk)."""
+        x, k_buf, v_buf = prefill_chunk_hidden(params, tokens, offset, k_buf, v_buf, inv_freq, cfg)
+        out: dict[str, Any] = {"k": k_buf, "v": v_buf}
+        if all_logits:
+            logits = logits_of(params, x, cfg)
+            logprobs = jax.nn.log_softmax(logits, axis=-1)
+            out["prompt_chosen"] = jnp.take_along_axis(logprobs, next_tokens[:, None], axis=-1)[
+                :, 0
+            ]
+            out["prompt_top"] = top_logprobs(logprobs)
+        if last:
+            row = lax.dynamic_slice_in_dim(x, index, 1, axis=0)
+            final = logits_of(params, row, cfg)[0]
+            out["last_logits"] = final
+            out["first"] = self._sample_first(final, sampling, eos_mask)
+        return out
+
     # -- EngineProtocol ----------------------------------------------------------------------
 
     def init_state(self) -> DecodeState:
         return self._init_state()
+
+    def cache_stats(self) -> CacheStats:
+        pool = self.prefix_cache
+        if pool is None:
+            return CacheStats()
+        index = pool.index
+        return CacheStats(index.stats.queries, index.stats.hits, index.used, index.blocks)
 
     def bucket_for(self, length: int) -> int:
         self.limits.check(length, None)
@@ -300,10 +393,32 @@ class Engine:
         sampling: SamplingParams,
         *,
         prompt_logprobs: bool = False,
+        between_chunks: Callable[[], None] | None = None,
     ) -> Prefix:
         length = len(token_ids)
         if length == 0:
             raise ValueError("the prompt must have at least one token")
+        pool = None if prompt_logprobs else self.prefix_cache  # echo needs every position
+        if pool is not None:
+            blocks = pool.index.lookup(token_ids)
+            if blocks:
+                prefix = self._prefill_pieces(
+                    token_ids, sampling, False, between_chunks, pool.load(blocks)
+                )
+                pool.store(token_ids, prefix.cache, cached=len(blocks))
+                return prefix
+        if length > self.prefill_buckets[-1] and self.prefill_chunk is not None:
+            prefix = self._prefill_pieces(token_ids, sampling, prompt_logprobs, between_chunks)
+        else:
+            prefix = self._prefill_bucket(token_ids, sampling, prompt_logprobs)
+        if pool is not None:
+            pool.store(token_ids, prefix.cache, cached=0)
+        return prefix
+
+    def _prefill_bucket(
+        self, token_ids: Sequence[int], sampling: SamplingParams, prompt_logprobs: bool
+    ) -> Prefix:
+        length = len(token_ids)
         bucket = self.bucket_for(length)
         padded = np.zeros((bucket,), np.int32)
         padded[:length] = self._checked_ids(token_ids)
@@ -316,20 +431,87 @@ class Engine:
             self._eos_mask,
             all_logits=prompt_logprobs,
         )
-        first = out["first"]
-        prefix = Prefix(
-            length=length,
-            sampling=sampling,
-            token=first.token,
-            logprob=first.logprob,
-            top_ids=first.top_ids,
-            top_logprobs=first.top_logprobs,
-            cache=(out["k"], out["v"]),
-            last_logits=out["last_logits"],
+        prefix = _new_prefix(
+            length, sampling, out["first"], (out["k"], out["v"]), out["last_logits"]
         )
         if prompt_logprobs:
             prefix.prompt_logprobs = _prompt_logprobs(
                 token_ids, out["prompt_chosen"], out["prompt_top"], sampling.logprobs or 0
+            )
+        return prefix
+
+    def _pieces(self, start: int, length: int, whole: bool) -> list[tuple[int, int]]:
+        """(offset, size) of the calls prefilling positions start..length-1: full chunks,
+        then the smallest bucket that holds the rest (`whole`: full chunks only, the
+        shapes prompt logprobs are compiled for)."""
+        pieces, offset = [], start
+        while length - offset > self._piece:
+            pieces.append((offset, self._piece))
+            offset += self._piece
+        rest = length - offset
+        size = self._piece if whole else min(b for b in self.piece_sizes if b >= rest)
+        return [*pieces, (offset, size)]
+
+    @property
+    def piece_sizes(self) -> tuple[int, ...]:
+        """The sizes a prompt's last piece is compiled for."""
+        return tuple(sorted({b for b in self.prefill_buckets if b <= self._piece} | {self._piece}))
+
+    def _prefill_pieces(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        prompt_logprobs: bool,
+        between_chunks: Callable[[], None] | None,
+        loaded: tuple[int, Any] | None = None,
+    ) -> Prefix:
+        """A prompt in pieces on top of the KV before them: a prompt past the largest bucket
+        `prefill_chunk` tokens a call, or what follows a prefix-cache hit (`loaded`: the
+        number of cached positions and the buffers holding them).
+
+        Each piece is finished before the next is sent, and `between_chunks` runs
+        in between (the prefill stage lets a decode step through there), so one
+        long prompt holds the device for one chunk at a time.
+        """
+        self.limits.check(len(token_ids), None)
+        length = len(token_ids)
+        ids = np.zeros((self._chunk_capacity + 1,), np.int32)
+        ids[:length] = self._checked_ids(token_ids)
+        start, (k_buf, v_buf) = loaded if loaded is not None else (0, self._chunk_buffers())
+        arrays = host_arrays(sampling)
+        chosen, top_lp, top_ids = [], [], []
+        pieces = self._pieces(start, length, whole=prompt_logprobs)
+        for offset, chunk in pieces:
+            last = offset + chunk >= length
+            out = self._chunk_step(
+                self.params,
+                ids[offset : offset + chunk],
+                np.int32(offset),
+                k_buf,
+                v_buf,
+                np.int32(length - 1 - offset),
+                ids[offset + 1 : offset + chunk + 1],
+                arrays,
+                self._inv_freq,
+                self._eos_mask,
+                all_logits=prompt_logprobs,
+                last=last,
+            )
+            k_buf, v_buf = out["k"], out["v"]
+            if prompt_logprobs:
+                chosen.append(out["prompt_chosen"])
+                top_lp.append(out["prompt_top"][0])
+                top_ids.append(out["prompt_top"][1])
+            if not last and between_chunks is not None:
+                jax.block_until_ready(k_buf)
+                between_chunks()
+        prefix = _new_prefix(length, sampling, out["first"], (k_buf, v_buf), out["last_logits"])
+        if prompt_logprobs:
+            prefix.prompt_logprobs = _prompt_logprobs(
+                token_ids,
+                jnp.concatenate(chosen),
+                (jnp.concatenate(top_lp), jnp.concatenate(top_ids)),
+                sampling.logprobs or 0,
             )
         return prefix
 
@@ -372,7 +554,7 @@ class Engine:
             self.params, padded, true_lengths, stacked, self._inv_freq, self._eos_mask
         )
         first = out["first"]
-        return [
+        prefixes = [
             Prefix(
                 length=lengths[row],
                 sampling=sampling,
@@ -385,6 +567,10 @@ class Engine:
             )
             for row, (_, sampling) in enumerate(prompts)
         ]
+        if self.prefix_cache is not None:  # prompts batched together look nothing up
+            for (ids, _), prefix in zip(prompts, prefixes, strict=True):
+                self.prefix_cache.store(ids, prefix.cache, cached=0)
+        return prefixes
 
     def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
         first = self._resample(prefix.last_logits, host_arrays(sampling))
@@ -453,10 +639,36 @@ class Engine:
         for rows, bucket in self.prefill_batch_shapes:
             length = min(bucket, self.max_prompt_len)
             self.prefill_batch([([0] * length, sampling)] * rows)
+        if self.prefill_chunk is not None or self.prefix_cache is not None:
+            state = self._warm_pieces(sampling, state)
         for batch in self.decode_buckets:
             state, out = self.generate(state, batch)
         state = self.free(state, 0)
         jax.block_until_ready((state, out))
+
+    def _warm_pieces(self, sampling: SamplingParams, state: DecodeState) -> DecodeState:
+        """Compile the piece steps (every last-piece size, a middle chunk, the logprob
+        shapes), and the prefix pool's load and its store from every cache shape, without
+        putting anything in the pool."""
+        pool, self.prefix_cache = self.prefix_cache, None
+        try:
+            if self.prefill_chunk is not None:
+                length = min(self.prefill_buckets[-1] + self._piece + 1, self.max_prompt_len)
+                self.prefill([0] * length, sampling, prompt_logprobs=True)
+            for size in self.piece_sizes:
+                start = max(0, min(self._piece, self.max_prompt_len - size))
+                length = min(start + size, self.max_prompt_len)
+                loaded = (start, self._chunk_buffers())
+                prefix = self._prefill_pieces([0] * length, sampling, False, None, loaded)
+                state = self.insert(prefix, state, 0)
+            if pool is not None:
+                pool.warm(self._chunk_buffers())
+                for bucket in self.prefill_buckets:
+                    ids = [0] * min(bucket, self.max_prompt_len)
+                    pool.warm(self._prefill_bucket(ids, sampling, False).cache)
+        finally:
+            self.prefix_cache = pool
+        return state
 
     def _checked_ids(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = np.asarray(token_ids, np.int64)
@@ -481,3 +693,29 @@ def _prompt_logprobs(
         alternatives = tuple((int(top_ids[i - 1, j]), float(top_lp[i - 1, j])) for j in range(n))
         result.append(TokenLogprobs(int(token_ids[i]), float(chosen_np[i - 1]), alternatives))
     return result
+
+
+def _new_prefix(
+    length: int, sampling: SamplingParams, first: Any, cache: Any, last_logits: Any
+) -> Prefix:
+    """A Prefix from a prefill's sampled first token (`first`: Sampled), KV and logits."""
+    return Prefix(
+        length=length,
+        sampling=sampling,
+        token=first.token,
+        logprob=first.logprob,
+        top_ids=first.top_ids,
+        top_logprobs=first.top_logprobs,
+        cache=cache,
+        last_logits=last_logits,
+    )
+
+
+def _prompt_buffers(
+    cfg: Any, capacity: int, dtype: Any
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Empty per-layer KV of one prompt of up to `capacity` positions, in prefill's layouts."""
+    layers = range(cfg.num_layers)
+    k = tuple(jnp.zeros((cfg.num_kv_heads, cfg.head_dim, capacity), dtype) for _ in layers)
+    v = tuple(jnp.zeros((cfg.num_kv_heads, capacity, cfg.head_dim), dtype) for _ in layers)
+    return k, v

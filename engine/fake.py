@@ -14,13 +14,14 @@ import bisect
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine.types import (
     MAX_LOGPROBS,
+    CacheStats,
     EngineLimits,
     Prefix,
     SamplingParams,
@@ -119,9 +120,18 @@ class FakeEngine:
             active=np.zeros(n, bool),
         )
 
+    def cache_stats(self) -> CacheStats:
+        return CacheStats()  # no prefix cache
+
     def prefill(
-        self, token_ids: Sequence[int], sampling: SamplingParams, *, prompt_logprobs: bool = False
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        prompt_logprobs: bool = False,
+        between_chunks: Callable[[], None] | None = None,
     ) -> Prefix:
+        del between_chunks  # no chunks: every prompt fits a bucket
         prefix = self._prefill_one(token_ids, sampling, prompt_logprobs)
         self._sleep(self._delays.prefill)
         self.prefill_calls += 1

@@ -346,6 +346,49 @@ def prefill_hidden(
     return x, tuple(keys), tuple(values)
 
 
+def prefill_chunk_hidden(
+    params: Params,
+    tokens: jax.Array,
+    offset: jax.Array,
+    k_buf: tuple[jax.Array, ...],
+    v_buf: tuple[jax.Array, ...],
+    inv_freq: jax.Array,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Prompt positions offset..offset+C-1 (C = len(tokens)) on top of the ones before them.
+
+    k_buf / v_buf are per layer the prompt's KV so far in prefill's layouts,
+    (kv_heads, head_dim, P) and (kv_heads, P, head_dim), positions < offset
+    filled; the chunk's KV is written at offset (offset + C <= P) and its
+    queries attend to every position up to their own. Returns the chunk's final
+    hidden states (C, hidden) and the buffers. One shape per (C, P), whatever
+    the prompt's length, so a long prompt costs no bucket of its own.
+    """
+    c = tokens.shape[0]
+    dtype = params["embed"].dtype
+    x = params["embed"][tokens]
+    positions = offset + jnp.arange(c, dtype=jnp.int32)
+    cos, sin = rope_tables(positions, inv_freq, dtype)
+    capacity = v_buf[0].shape[1]
+    mask = _visible(positions[:, None], jnp.arange(capacity)[None, :], cfg)
+    groups = cfg.num_heads // cfg.num_kv_heads
+    scale = cfg.head_dim**-0.5
+
+    keys, values = [], []
+    for lp, kb, vb in zip(params["layers"], k_buf, v_buf, strict=True):
+        q, k, v = _qkv(lp, x, cfg, cos, sin)
+        kb = lax.dynamic_update_slice(kb, k.transpose(1, 2, 0).astype(kb.dtype), (0, 0, offset))
+        vb = lax.dynamic_update_slice(vb, v.transpose(1, 0, 2).astype(vb.dtype), (0, offset, 0))
+        qg = q.reshape(c, cfg.num_kv_heads, groups, cfg.head_dim)
+        scores = jnp.einsum("tkgd,kds->kgts", qg, kb, preferred_element_type=F32)
+        probs = _softmax_attend(scores * jnp.asarray(scale, dtype), mask, dtype)
+        attn = jnp.einsum("kgts,ksd->tkgd", probs, vb, preferred_element_type=F32)
+        x = _finish(lp, x, attn.astype(dtype).reshape(c, cfg.q_size), cfg)
+        keys.append(kb)
+        values.append(vb)
+    return x, tuple(keys), tuple(values)
+
+
 def decode_forward(
     params: Params,
     tokens: jax.Array,

@@ -37,8 +37,8 @@ from engine.stages.faults import Fault, FaultPlan
 from engine.stages.generate import GenerateStage
 from engine.stages.messages import CancelJob, DetokenizeMessage, GenerateMessage, Job
 from engine.stages.prefill import PrefillStage
-from engine.stages.queues import AdmissionQueue, Credits
-from engine.types import EngineProtocol
+from engine.stages.queues import AdmissionQueue, Credits, StepClock
+from engine.types import CacheStats, EngineProtocol
 
 __all__ = [
     "Orchestrator",
@@ -86,6 +86,7 @@ class OrchestratorStats:
     alive: bool
     draining: bool
     generate_steps: int = 0
+    cache: CacheStats = CacheStats()
 
 
 class Orchestrator:
@@ -122,6 +123,7 @@ class Orchestrator:
         self._detokenize_inbox: queue.Queue[DetokenizeMessage] = queue.Queue(
             self.config.detokenize_queue_size
         )
+        clock = StepClock()
         self._prefill = PrefillStage(
             engine,
             self._admission,
@@ -130,6 +132,7 @@ class Orchestrator:
             self._stop,
             reject=self._reject,
             fault=Fault("prefill", plan),
+            clock=clock,
         )
         self._generate = GenerateStage(
             engine,
@@ -138,6 +141,7 @@ class Orchestrator:
             self._credits,
             self._stop,
             fault=Fault("generate", plan),
+            clock=clock,
         )
         self._detokenize = DetokenizeStage(
             self._detokenize_inbox,
@@ -283,6 +287,7 @@ class Orchestrator:
             alive=self.alive,
             draining=self._draining,
             generate_steps=self._generate.steps,
+            cache=self._engine.cache_stats(),
         )
 
     # internals

@@ -9,7 +9,7 @@ stage copies them to the host, so the generate loop never waits on a copy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,7 +52,7 @@ class EngineLimits:
     """
 
     max_model_len: int  # prompt + completion tokens
-    max_prompt_len: int  # min(largest prefill bucket, max_model_len - 1)
+    max_prompt_len: int  # max_model_len - 1 (chunked), else min(largest bucket, that)
     vocab_size: int  # the model's: token ids and top_k are bounded by it
 
     def check(self, prompt_tokens: int, max_tokens: int | None) -> int:
@@ -170,6 +170,16 @@ class StepOutput:
     active: Any
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """The prefix cache as metrics see it; queries and hits count prompt tokens (vLLM's)."""
+
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_blocks_used: int = 0
+    prefix_blocks: int = 0  # 0: no prefix cache
+
+
 class EngineProtocol(Protocol):
     """What the orchestrator needs of an engine; a fake engine implements it too."""
 
@@ -180,7 +190,7 @@ class EngineProtocol(Protocol):
 
     @property
     def max_prompt_len(self) -> int:
-        """min(largest bucket, max_model_len - 1)."""
+        """max_model_len - 1 when long prompts are chunked, else min(largest bucket, that)."""
         ...
 
     @property
@@ -190,16 +200,23 @@ class EngineProtocol(Protocol):
 
     def init_state(self) -> Any: ...
 
+    def cache_stats(self) -> CacheStats:
+        """A snapshot of the prefix cache's counters (any thread may ask)."""
+        ...
+
     def prefill(
         self,
         token_ids: Sequence[int],
         sampling: SamplingParams,
         *,
         prompt_logprobs: bool = False,
+        between_chunks: Callable[[], None] | None = None,
     ) -> Prefix:
         """Pad to the next bucket, run the prompt, sample its first token (key index 0).
 
-        Raises PromptTooLongError when the prompt does not fit.
+        A prompt longer than the largest bucket goes in chunks, with
+        `between_chunks` called after each but the last. Raises
+        PromptTooLongError when the prompt does not fit.
         """
         ...
 

@@ -7,9 +7,9 @@ handler reaches past them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.orchestrator import OrchestratorStats
 from engine.request import ActiveRequest, RequestStream
@@ -39,6 +39,7 @@ class TokenizerClient(Protocol):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]: ...
 
 

@@ -4,12 +4,13 @@ A streamed choice starts with a chunk whose delta carries role "assistant";
 logprobs follow OpenAI's chat shape: content[] of token, logprob, bytes and
 top_logprobs. The prompt ends with the template's generation prompt unless
 add_generation_prompt is false, or with the last assistant message left open for the
-model to continue (vLLM's continue_final_message).
+model to continue (vLLM's continue_final_message). With `tools` the template renders
+them, and each choice's reply is read for tool calls (server.tools).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from server.params import (
 )
 from server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from server.shaping import ResponseShaper
+from server.tools import ToolCallReader, ToolPlan, plan_tools, template_tool_calls
 
 
 def template_flags(request: ChatCompletionRequest | TokenizeRequest) -> tuple[bool, bool]:
@@ -49,14 +51,23 @@ def template_flags(request: ChatCompletionRequest | TokenizeRequest) -> tuple[bo
 
 
 def template_messages(messages: Sequence[ChatMessage], param: str = "messages") -> list[dict]:
-    """Messages as the chat template reads them: role and text content."""
+    """Messages as the chat template reads them: role, text content, name, and an
+    assistant's tool calls or a tool message's tool_call_id, as vLLM passes them."""
     try:
-        return [
-            {"role": m.role, "content": m.text(f"{param}[{i}].content")}
-            for i, m in enumerate(messages)
-        ]
+        return [_template_message(m, f"{param}[{i}]") for i, m in enumerate(messages)]
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from exc
+
+
+def _template_message(message: ChatMessage, where: str) -> dict[str, Any]:
+    item: dict[str, Any] = {"role": message.role, "content": message.text(f"{where}.content")}
+    if message.name is not None:
+        item["name"] = message.name
+    if message.role == "assistant" and message.tool_calls is not None:
+        item["tool_calls"] = template_tool_calls(message.tool_calls, f"{where}.tool_calls")
+    if message.role == "tool" and message.tool_call_id is not None:
+        item["tool_call_id"] = message.tool_call_id
+    return item
 
 
 def render_messages(
@@ -66,6 +77,7 @@ def render_messages(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     param: str = "messages",
 ) -> tuple[int, ...]:
     """Token ids of a conversation rendered with the chat template; a 400 when it cannot be."""
@@ -75,20 +87,24 @@ def render_messages(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             add_special_tokens=add_special_tokens,
+            tools=tools,
         )
     except ValueError as exc:
         raise bad_request(f"{param} could not be rendered: {exc}", param=param) from exc
     return tuple(ids)
 
 
-def render_prompt(request: ChatCompletionRequest, tokenizer: TokenizerClient) -> PromptInput:
-    """The conversation as prompt token ids, rendered with the chat template."""
+def render_prompt(
+    request: ChatCompletionRequest, tokenizer: TokenizerClient, tools: ToolPlan | None
+) -> PromptInput:
+    """The conversation (and its tools) as prompt token ids, rendered with the chat template."""
     add_generation_prompt, continue_final_message = template_flags(request)
     ids = render_messages(
         template_messages(request.messages),
         tokenizer,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        tools=list(tools.tools) if tools is not None and tools.tools else None,
     )
     if not ids:
         raise bad_request("messages rendered to an empty prompt", param="messages")
@@ -117,7 +133,8 @@ def plan_chat(
     top_n = (request.top_logprobs or 0) if request.logprobs else None
     check_samples(1, request.n, config)
     sampling = sampling_params(request, top_n, max_tokens, limits)
-    prompt = render_prompt(request, tokenizer)
+    tools = plan_tools(request, config)
+    prompt = render_prompt(request, tokenizer, tools)
     requests = build_requests(
         base_id,
         [prompt],
@@ -137,6 +154,7 @@ def plan_chat(
         stream=request.stream,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         logprobs=top_n,
+        tools=tools,
     )
 
 
@@ -166,8 +184,9 @@ def chat_logprobs(
 class ChatChoice:
     index: int
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # the engine's
     logprobs: list[dict[str, Any]] | None = None
+    tools: ToolCallReader | None = None  # when the reply is read for tool calls
 
 
 class ChatShaper(ResponseShaper):
@@ -175,16 +194,22 @@ class ChatShaper(ResponseShaper):
     chunk_object = "chat.completion.chunk"
 
     def new_states(self, plan: GenerationPlan) -> dict[int, ChatChoice]:
-        return {k: ChatChoice(index=k) for k in range(plan.n)}
+        tools = plan.tools if plan.tools is not None and plan.tools.reads_calls else None
+        return {
+            k: ChatChoice(index=k, tools=ToolCallReader(tools) if tools else None)
+            for k in range(plan.n)
+        }
 
     def opening(self) -> list[dict[str, Any]]:
-        """A first chunk per choice whose delta carries the role, as OpenAI streams it."""
+        """A first chunk per choice whose delta carries the role, as OpenAI streams it (with
+        content null when the reply may be tool calls, whose replies have none)."""
+        reads_calls = any(choice.tools is not None for choice in self.states.values())
         return [
             self.chunk(
                 [
                     {
                         "index": index,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": "assistant", "content": None if reads_calls else ""},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -208,23 +233,33 @@ class ChatShaper(ResponseShaper):
         finish = delta.finish_reason
         if finish is not None:
             choice.finish_reason = finish
-        if not (delta.text or finish is not None or new_logprobs):
+        if choice.tools is not None:
+            message, finish = choice.tools.step(choice.text, finish)
+        else:
+            message = {"content": delta.text} if delta.text or finish is None else {}
+        news = message.get("content") or message.get("tool_calls") or new_logprobs
+        if not news and finish is None:
             return None
         entry = {
             "index": choice.index,
-            "delta": {"content": delta.text} if delta.text or finish is None else {},
+            "delta": message,
             "logprobs": {"content": new_logprobs} if new_logprobs is not None else None,
             "finish_reason": finish,
         }
         return self.chunk([entry])
 
     def choices(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": {"content": c.logprobs} if c.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in self.states.values()
-        ]
+        return [self._choice(c) for c in self.states.values()]
+
+    def _choice(self, choice: ChatChoice) -> dict[str, Any]:
+        if choice.tools is not None:
+            message, finish = choice.tools.reply(choice.text, choice.finish_reason)
+        else:
+            message = {"role": "assistant", "content": choice.text}
+            finish = choice.finish_reason
+        return {
+            "index": choice.index,
+            "message": message,
+            "logprobs": {"content": choice.logprobs} if choice.logprobs is not None else None,
+            "finish_reason": finish,
+        }

@@ -13,8 +13,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from engine.types import DTYPE_NAMES as DTYPES
+from server.tool_parsers import PARSERS as TOOL_PARSERS
 
 ENV_PREFIX = "LLM_SERVER_"
 LOG_FORMATS = ("json", "text")
@@ -34,6 +36,8 @@ class ServerConfig:
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two up to the context
     dtype: str = "float32"
     max_prefill_batch: int = 8  # prompts prefilled in one call (1: one at a time)
+    prefill_chunk: int = 512  # longer prompts are prefilled this many tokens a call (0: off)
+    prefix_cache_blocks: int = 0  # 16-token blocks of prompt KV kept for reuse (0: off)
     max_queued_samples: int = 256  # admission bound, in samples (prompts x n), before 429
     api_key: str | None = None
     log_level: str = "info"
@@ -55,6 +59,9 @@ class ServerConfig:
     max_prompts: int = 64
     max_request_samples: int = 64  # prompts x n of one request; < the admission bound
     tokenizer_workers: int = 2  # threads that tokenize and render chat templates
+    # Tool calling (vLLM's flags): the reply format read for tool_choice auto.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -74,6 +81,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prefix_cache_blocks < 0:
+            raise ValueError(f"prefix_cache_blocks must be >= 0, got {self.prefix_cache_blocks}")
+        if self.prefill_chunk != 0 and self.prefill_chunk < 16:
+            raise ValueError(f"prefill_chunk must be 0 (off) or >= 16, got {self.prefill_chunk}")
         buckets = self.prefill_buckets
         if buckets is not None and (
             not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets))
@@ -96,6 +107,13 @@ class ServerConfig:
             raise ValueError("api_key must not be empty when given")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be blank")
+        parsers = ", ".join(TOOL_PARSERS)
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {parsers}, got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(f"enable_auto_tool_choice needs tool_call_parser ({parsers})")
 
     @property
     def request_sample_limit(self) -> tuple[int, str]:
@@ -135,6 +153,16 @@ def _optional_path(text: str) -> Path | None:
     return Path(text).expanduser() if text else None
 
 
+def _switch(text: str) -> bool:
+    """An on/off flag: `--flag` alone is on; the flag or its variable may say true or false."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {text!r}")
+
+
 # flag name -> (parser from text, help)
 _FLAGS: dict[str, tuple[object, str]] = {
     "model": (_optional_path, "local Hugging Face checkpoint folder (default: embedded demo)"),
@@ -146,6 +174,8 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "prefill_buckets": (_buckets, "comma list of prefill padding lengths"),
     "dtype": (str, "float32 or bfloat16"),
     "max_prefill_batch": (int, "prompts waiting together prefilled in one call (1: off)"),
+    "prefill_chunk": (int, "tokens a prefill call of a long prompt takes, decode between (0: off)"),
+    "prefix_cache_blocks": (int, "16-token blocks of prompt KV kept for later prompts (0: off)"),
     "max_queued_samples": (int, "samples (prompts x n) waiting for prefill before 429"),
     "api_key": (str, "require 'Authorization: Bearer <key>' on /v1 routes"),
     "log_level": (str, "debug, info, warning, error"),
@@ -165,6 +195,8 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "max_prompts": (int, "most prompts in one /v1/completions request"),
     "max_request_samples": (int, "most samples (prompts x n) in one request"),
     "tokenizer_workers": (int, "threads tokenizing prompts off the event loop"),
+    "enable_auto_tool_choice": (_switch, "read tool calls from replies to tool_choice auto"),
+    "tool_call_parser": (str, f"tool-call format of the model: {', '.join(TOOL_PARSERS)}"),
 }
 
 
@@ -184,9 +216,12 @@ def parse_config(
     parser = argparse.ArgumentParser(
         prog="llm-server", description="OpenAI-compatible server for a JAX LLM engine"
     )
-    for name, (_, help_text) in _FLAGS.items():
+    for name, (convert, help_text) in _FLAGS.items():
         flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, dest=name, default=None, help=f"{help_text} [env {_env(name)}]")
+        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if convert is _switch else {}
+        parser.add_argument(
+            flag, dest=name, default=None, help=f"{help_text} [env {_env(name)}]", **switch
+        )
     args = parser.parse_args(list(argv) if argv is not None else None)
 
     values: dict[str, object] = {}

@@ -53,6 +53,8 @@ def load_backend(config: ServerConfig) -> Backend:
             max_model_len=config.max_model_len,
             prefill_buckets=_fit_buckets(config.prefill_buckets, config.max_model_len),
             max_prefill_batch=config.max_prefill_batch,
+            prefill_chunk=config.prefill_chunk or None,
+            prefix_cache_blocks=config.prefix_cache_blocks,
         )
     )
     engine.warmup()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.request import RequestTimings
@@ -27,37 +27,54 @@ ITL_BUCKETS = (
 )  # fmt: skip
 
 
+def _slots(stats: Any) -> float:
+    return float(stats.slots_in_use / max(1, stats.max_slots))
+
+
+def _prefix_usage(stats: Any) -> float:
+    return float(stats.cache.prefix_blocks_used / max(1, stats.cache.prefix_blocks))
+
+
+# (family, name, help, value from OrchestratorStats), one model_name label each
+_SERIES: tuple[tuple[type[Metric], str, str, Callable[[Any], float]], ...] = (
+    (GaugeMetricFamily, "llm_requests_running", "Requests holding a slot",
+     lambda s: s.running_requests),
+    (GaugeMetricFamily, "llm_requests_waiting", "Requests queued before prefill",
+     lambda s: s.queued_requests),
+    (GaugeMetricFamily, "llm_slots_in_use_ratio", "Busy decode slots / all slots", _slots),
+    (GaugeMetricFamily, "llm_kv_cache_usage_perc",
+     "Decode KV cache reserved by running samples, 0..1 (a slot reserves its context)", _slots),
+    (CounterMetricFamily, "llm_prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache", lambda s: s.cache.prefix_queries),
+    (CounterMetricFamily, "llm_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+     lambda s: s.cache.prefix_hits),
+    (GaugeMetricFamily, "llm_prefix_cache_usage_perc", "Prefix cache blocks in use, 0..1",
+     _prefix_usage),
+)  # fmt: skip
+
+
 class _StatsCollector(Collector):
-    """Gauges of the orchestrator's state, read at scrape time."""
+    """Gauges and counters of the orchestrator's state, read at scrape time."""
 
     def __init__(self, model_name: str, read_stats: Callable[[], Any | None]):
         self._model_name = model_name
         self._read_stats = read_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         stats = self._read_stats()
-        labels = ["model_name"]
-        running = GaugeMetricFamily(
-            "llm_requests_running", "Requests holding a slot", labels=labels
-        )
-        waiting = GaugeMetricFamily(
-            "llm_requests_waiting", "Requests queued before prefill", labels=labels
-        )
-        ratio = GaugeMetricFamily(
-            "llm_slots_in_use_ratio", "Busy decode slots / all slots", labels=labels
-        )
+        name = [self._model_name]
+        for family, metric, doc, read in _SERIES:
+            series = family(metric, doc, labels=["model_name"])  # type: ignore[call-arg]
+            if stats is not None:
+                series.add_metric(name, read(stats))  # type: ignore[attr-defined]
+            yield series
         depth = GaugeMetricFamily(
             "llm_queue_depth", "Items waiting in each stage's queue", labels=["model_name", "stage"]
         )
         if stats is not None:
-            name = [self._model_name]
-            running.add_metric(name, stats.running_requests)
-            waiting.add_metric(name, stats.queued_requests)
-            ratio.add_metric(name, stats.slots_in_use / max(1, stats.max_slots))
-            for stage in ("prefill", "detokenize"):
-                value = getattr(stats, f"{stage}_queue_depth")
-                depth.add_metric([self._model_name, stage], value)
-        yield from (running, waiting, ratio, depth)
+            depth.add_metric(name + ["prefill"], stats.prefill_queue_depth)
+            depth.add_metric(name + ["detokenize"], stats.detokenize_queue_depth)
+        yield depth
 
 
 class EngineMetrics:

@@ -17,6 +17,7 @@ from server.backend import ModelLimits, TokenizerClient
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
 from server.protocol import CompletionRequest, SamplingFields
+from server.tools import ToolPlan
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
 
@@ -46,6 +47,7 @@ class GenerationPlan:
     echo: bool = False
     logprobs: int | None = None  # completions: top-N; chat: top_logprobs when logprobs=true
     discard_output: bool = False  # max_tokens=0: return only the (echoed) prompt
+    tools: ToolPlan | None = None  # chat: the tools the prompt shows and the reply may call
 
 
 def prompt_items(request: CompletionRequest, config: ServerConfig) -> list[str | list[int]]:

@@ -140,12 +140,67 @@ def parts_text(parts: list[dict[str, Any]], where: str, text_types: frozenset[st
     return "\n".join(texts)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None
+
+
+class ChatTool(BaseModel):
+    """One entry of `tools`: a function the model may call."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function the reply must call."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] | None = None  # JSON text (OpenAI's) or the object
+
+
+class MessageToolCall(BaseModel):
+    """A tool call of an earlier assistant message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: StrictStr | None = None  # tool messages: the call this answers
 
     def text(self, where: str = "content") -> str:
         """The message content as text; only text parts are supported."""
@@ -162,19 +217,16 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (server.tools)
+    parallel_tool_calls: StrictBool | None = None  # false: only the first call read is kept
     functions: list[Any] | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # vLLM's: extend the last (assistant) message
 
     def chat_unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools (function calling) are not supported"
         if self.functions:
-            return "functions", "functions (function calling) are not supported"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice is not supported"
+            return "functions", "functions (legacy function calling) are not supported: use tools"
         return self.unsupported()
 
 
@@ -190,6 +242,7 @@ class TokenizeRequest(BaseModel):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ChatTool] | None = None  # with messages: given to the chat template
     add_special_tokens: StrictBool | None = None  # None: true for prompt, false for messages
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

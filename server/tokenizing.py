@@ -2,7 +2,7 @@
 
 /tokenize takes `prompt` (text, special tokens added by default) or `messages`
 (rendered through the chat template exactly as /v1/chat/completions renders them,
-no special tokens added on top by default) and answers
+with `tools` too, no special tokens added on top by default) and answers
 `{"count", "max_model_len", "tokens"}`; /detokenize turns `tokens` back into
 `{"prompt": text}`, special tokens included, as vLLM decodes them.
 """
@@ -16,6 +16,7 @@ from server.chat import render_messages, template_flags, template_messages
 from server.errors import APIError, bad_request
 from server.params import check_token_ids
 from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.tools import tool_dicts
 
 
 def tokenize(
@@ -40,6 +41,7 @@ def tokenize(
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 add_special_tokens=bool(request.add_special_tokens),
+                tools=tool_dicts(request.tools),
             )
         )
     else:

@@ -160,7 +160,7 @@ class DetokenizeStage:
                 np.asarray(message.top_ids),
                 np.asarray(message.top_logprobs),
             )
-        self._advance(sample, _Token(token_id, logprobs), message.prompt_logprobs)
+        self._advance(sample, _Token(token_id, logprobs), message.prompt_logprobs, message.last)
 
     def _on_step(self, message: StepTokens) -> None:
         live: list[_Sample] = []
@@ -190,17 +190,21 @@ class DetokenizeStage:
                 logprobs = _token_logprobs(
                     k, token_id, logprob[slot], top_ids[slot], top_logprobs[slot]
                 )
-            self._advance(sample, _Token(token_id, logprobs), None)
+            self._advance(sample, _Token(token_id, logprobs), None, sample.slot in message.last)
 
     def _advance(
         self,
         sample: _Sample,
         token: _Token,
         prompt_logprobs: tuple[TokenLogprobs | None, ...] | None,
+        last: bool,
     ) -> None:
-        """Turn one token into a delta; the text stream says whether the sample ended."""
+        """Turn one token into a delta; the text stream says whether the sample ended.
+
+        `last` comes from the generate stage, the one counter of token budgets.
+        """
         job = sample.job
-        step = sample.text.add(token.token_id, last=sample.text.tokens + 1 >= job.max_new_tokens)
+        step = sample.text.add(token.token_id, last=last)
         now = time.monotonic()
         if job.stream.timings.first_token is None:
             job.stream.timings.first_token = now

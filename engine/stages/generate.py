@@ -9,6 +9,8 @@ queue), with device arrays it never waits on.
 It blocks only when no slot is busy and nothing is pending. A slot is freed
 here as soon as its sample has used its token budget (max_tokens or the
 context end), and otherwise when the detokenize stage says the sample ended.
+Budgets are counted here only: the message that carries a sample's last
+token says so, and the detokenize stage ends the sample on it.
 Slots are handed out lowest first, so the busy ones sit low, and each step
 runs the engine's smallest decode bucket that covers the highest busy slot.
 """
@@ -35,7 +37,7 @@ from engine.stages.messages import (
     SlotAssigned,
     StepTokens,
 )
-from engine.stages.queues import POLL_S, Credits, put
+from engine.stages.queues import POLL_S, Credits, StepClock, put
 from engine.types import EngineProtocol
 
 
@@ -57,8 +59,10 @@ class GenerateStage:
         credits: Credits,
         stop: threading.Event,
         fault: Fault,
+        clock: StepClock | None = None,
     ):
         self._engine = engine
+        self._clock = clock if clock is not None else StepClock()
         self._inbox = inbox
         self._outbox = outbox
         self._credits = credits
@@ -86,6 +90,8 @@ class GenerateStage:
             self._insert_pending()
             if self.slots_in_use and not self._stop.is_set():
                 self._step()
+            else:
+                self._clock.idle()
 
     def _receive(self) -> list[GenerateMessage]:
         """Everything in the inbox now; waits for the first message only when idle."""
@@ -134,6 +140,7 @@ class GenerateStage:
             if done.job.stream.timings.inserted is None:
                 done.job.stream.timings.inserted = time.monotonic()
             prefix = done.prefix
+            last = done.job.max_new_tokens <= 1
             put(
                 self._outbox,
                 SlotAssigned(
@@ -148,10 +155,11 @@ class GenerateStage:
                     prompt_logprobs=(
                         None if prefix.prompt_logprobs is None else tuple(prefix.prompt_logprobs)
                     ),
+                    last=last,
                 ),
                 self._stop,
             )
-            if done.job.max_new_tokens <= 1:
+            if last:
                 self._free_slot(slot)
 
     def _step(self) -> None:
@@ -160,13 +168,17 @@ class GenerateStage:
         batch = self._engine.decode_bucket(highest + 1)
         self._state, output = self._engine.generate(self._state, batch)
         self.steps += 1
-        put(self._outbox, StepTokens(output, self._leases), self._stop)
+        spent: list[int] = []
         for slot, occupant in enumerate(self._slots):
             if occupant is None:
                 continue
             occupant.tokens += 1
             if occupant.tokens >= occupant.job.max_new_tokens:
-                self._free_slot(slot)
+                spent.append(slot)
+        put(self._outbox, StepTokens(output, self._leases, frozenset(spent)), self._stop)
+        self._clock.stepped(output.tokens)
+        for slot in spent:
+            self._free_slot(slot)
 
     def _free_slot(self, slot: int) -> None:
         self._state = self._engine.free(self._state, slot)

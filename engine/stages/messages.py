@@ -81,7 +81,8 @@ class SlotAssigned:
     """Sample `index` of a job now holds `slot` under `lease`; carries its first token.
 
     The token fields are the Prefix's device values, copied to the host by the
-    detokenize stage, not by the generate thread.
+    detokenize stage, not by the generate thread. `last`: the sample's token
+    budget ends with this token (the generate stage alone counts budgets).
     """
 
     slot: int
@@ -93,14 +94,21 @@ class SlotAssigned:
     top_ids: Any
     top_logprobs: Any
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None
+    last: bool = False
 
 
 @dataclass(frozen=True)
 class StepTokens:
-    """One generate step; leases[slot] says whose token each slot holds (NO_LEASE: idle)."""
+    """One generate step; leases[slot] says whose token each slot holds (NO_LEASE: idle).
+
+    `last` names the slots whose sample used its token budget with this step's
+    token; the generate stage has freed them already, and the detokenize stage
+    ends those samples with "length" unless another rule ended them first.
+    """
 
     output: StepOutput
     leases: tuple[int, ...]
+    last: frozenset[int] = frozenset()
 
 
 DetokenizeMessage = SlotAssigned | StepTokens

@@ -3,7 +3,9 @@
 Runs on: the prefill thread. Owns: nothing but its calls into engine.prefill,
 engine.prefill_batch and engine.resample. Prompts waiting together are
 prefilled in one call, as many as the engine says fit one of its compiled
-(batch, length) shapes. Receives: Job (admission queue). Emits: PrefillDone into
+(batch, length) shapes; a prompt longer than the largest bucket is prefilled
+in chunks, with a decode step let through between two (StepClock).
+Receives: Job (admission queue). Emits: PrefillDone into
 its sink, which is the generate inbox when prefill and generate share devices
 and would be a transfer stage's inbox in disaggregated mode.
 """
@@ -17,7 +19,7 @@ from typing import Protocol
 
 from engine.stages.faults import Fault
 from engine.stages.messages import Job, PrefillDone
-from engine.stages.queues import AdmissionQueue, Credits
+from engine.stages.queues import AdmissionQueue, Credits, StepClock
 from engine.types import EngineProtocol, Prefix
 
 # What the engine raises for a request whose data it cannot take (a prompt too long, an id
@@ -42,8 +44,10 @@ class PrefillStage:
         stop: threading.Event,
         reject: Callable[[Job, Exception], None],
         fault: Fault,
+        clock: StepClock | None = None,
     ):
         self._engine = engine
+        self._clock = clock if clock is not None else StepClock()
         self._admission = admission
         self._sink = sink
         self._credits = credits
@@ -86,6 +90,7 @@ class PrefillStage:
                         request.prompt_ids,
                         batch[0].samplings[0],
                         prompt_logprobs=request.prompt_logprobs,
+                        between_chunks=self._between_chunks,
                     )
                 ]
             else:
@@ -102,6 +107,11 @@ class PrefillStage:
         for job, prefix in zip(batch, prefixes, strict=True):
             job.stream.timings.prefill_end = ended
             self._hand_on(job, prefix)
+
+    def _between_chunks(self) -> None:
+        """A long prompt's chunks alternate with decode steps of the running streams."""
+        self._fault.tick()
+        self._clock.let_one_through(self._stop)
 
     def _hand_on(self, job: Job, prefix: Prefix) -> None:
         """Every sample of the job to the sink; n > 1 reuse the prompt KV, new first tokens."""

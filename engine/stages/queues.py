@@ -13,6 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
+import jax
+
 from engine.request import Overloaded
 from engine.stages.messages import Job
 
@@ -153,3 +155,47 @@ class AdmissionQueue:
             self._jobs.clear()
             self._samples = 0
             return jobs
+
+
+class StepClock:
+    """Decode steps as the generate stage dispatches them, for the prefill stage to wait on.
+
+    Between two chunks of a long prompt the prefill stage waits for one decode
+    step dispatched after its chunk finished, and for that step's tokens, so
+    running streams get a step per chunk instead of waiting out the whole
+    prompt. Written by the generate thread only.
+    """
+
+    WAIT_S = 1.0  # a chunk never waits longer for a step than this
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._steps = 0
+        self._busy = False
+        self._tokens: object = None
+
+    def stepped(self, tokens: object) -> None:
+        """A step was dispatched; `tokens` is its (device) output."""
+        with self._cond:
+            self._steps += 1
+            self._busy = True
+            self._tokens = tokens
+            self._cond.notify_all()
+
+    def idle(self) -> None:
+        """No slot is busy: nobody waits for a step that will not come."""
+        with self._cond:
+            if self._busy:
+                self._busy = False
+                self._cond.notify_all()
+
+    def let_one_through(self, stop: threading.Event) -> None:
+        """Wait for the next decode step and its tokens, unless decoding is idle."""
+        with self._cond:
+            start = self._steps
+            self._cond.wait_for(
+                lambda: self._steps > start or not self._busy or stop.is_set(), self.WAIT_S
+            )
+            tokens = self._tokens if self._steps > start else None
+        if tokens is not None:
+            jax.block_until_ready(tokens)

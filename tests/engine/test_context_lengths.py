@@ -20,11 +20,17 @@ GREEDY = SamplingParams(temperature=0.0, seed=0)
 TAIL = 20  # decode steps from the prompt's end to the context's
 
 
-@pytest.mark.parametrize("max_len", [300, 1000, 2000, MAX_POSITIONS])
-def test_a_context_of_any_length_decodes_to_its_end(tiny_checkpoint_of, max_len):
+@pytest.mark.parametrize(
+    "max_len,chunk", [(300, None), (1000, None), (1000, 256), (2000, None), (MAX_POSITIONS, None)]
+)
+def test_a_context_of_any_length_decodes_to_its_end(tiny_checkpoint_of, max_len, chunk):
+    """Whole prompts in one bucket of the context's length, and (chunk) in 256-token pieces."""
     folder = tiny_checkpoint_of("llama", max_position_embeddings=MAX_POSITIONS)
+    buckets = (max_len,) if chunk is None else None
     engine = Engine(
-        EngineConfig(folder, max_slots=2, max_model_len=max_len, prefill_buckets=(max_len,))
+        EngineConfig(
+            folder, max_slots=2, max_model_len=max_len, prefill_buckets=buckets, prefill_chunk=chunk
+        )
     )
     engine.warmup()
     prompt = [3 + (7 * i) % 500 for i in range(max_len - TAIL)]

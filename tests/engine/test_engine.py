@@ -55,7 +55,9 @@ def test_config_validation(tiny_checkpoint_of):
         Engine(EngineConfig(folder, max_model_len=64, prefill_buckets=(16, 128)))
     engine = Engine(EngineConfig(folder, max_model_len=128, max_prefill_len=40))
     assert engine.prefill_buckets == (16, 32, 40)
-    assert engine.max_model_len == 128 and engine.max_prompt_len == 40
+    assert engine.max_model_len == 128 and engine.max_prompt_len == 127  # chunked past 40
+    unchunked = EngineConfig(folder, max_model_len=128, max_prefill_len=40, prefill_chunk=None)
+    assert Engine(unchunked).max_prompt_len == 40
 
 
 def test_prompt_too_long_names_both_numbers(small_engine):

@@ -6,6 +6,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -30,12 +31,10 @@ class GatedEngine(FakeEngine):
         self.gate = threading.Event()
         self.prefilled: list[tuple[int, ...]] = []
 
-    def prefill(
-        self, token_ids: Sequence[int], sampling: SamplingParams, *, prompt_logprobs: bool = False
-    ) -> Prefix:
+    def prefill(self, token_ids: Sequence[int], sampling: SamplingParams, **kw: Any) -> Prefix:
         self.gate.wait(10)
         self.prefilled.append(tuple(token_ids))
-        return super().prefill(token_ids, sampling, prompt_logprobs=prompt_logprobs)
+        return super().prefill(token_ids, sampling, **kw)
 
 
 def make(engine: FakeEngine, config: OrchestratorConfig | None = None) -> Orchestrator:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -27,14 +28,12 @@ class PickyEngine(FakeEngine):
         self.seeds: list[int | None] = []
         self.fail_resample_at: int | None = None
 
-    def prefill(
-        self, token_ids: Sequence[int], sampling: SamplingParams, *, prompt_logprobs: bool = False
-    ) -> Prefix:
+    def prefill(self, token_ids: Sequence[int], sampling: SamplingParams, **kw: Any) -> Prefix:
         self.gate.wait(10)
         self.seeds.append(sampling.seed)
         if tuple(token_ids) == POISON:
             raise OverflowError("Python int too large to convert to C int")
-        return super().prefill(token_ids, sampling, prompt_logprobs=prompt_logprobs)
+        return super().prefill(token_ids, sampling, **kw)
 
     def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
         self.seeds.append(sampling.seed)

@@ -85,9 +85,18 @@ def delta(text: str, tokens: int, finish_reason: str | None = None) -> Delta:
 
 
 def scripted_backend(
-    checkpoint: Path, orchestrator: ScriptedOrchestrator
+    checkpoint: Path,
+    orchestrator: ScriptedOrchestrator,
+    *,
+    chat_template: str | None = None,
+    max_model_len: int = 128,
 ) -> tuple[Backend, RecordingTokenizer]:
-    tokenizer = RecordingTokenizer.from_folder(checkpoint)
+    """The checkpoint's tokenizer (or its own chat template) over `orchestrator`."""
+    tokenizer = RecordingTokenizer.from_folder(checkpoint, chat_template=chat_template)
     tokenizer.threads = []
-    limits = ModelLimits(max_model_len=128, max_prompt_len=64, vocab_size=tokenizer.vocab_size)
+    limits = ModelLimits(
+        max_model_len=max_model_len,
+        max_prompt_len=max_model_len // 2,
+        vocab_size=tokenizer.vocab_size,
+    )
     return Backend(tokenizer=tokenizer, orchestrator=orchestrator, limits=limits), tokenizer

@@ -84,6 +84,9 @@ def test_fault_injection_from_env() -> None:
         (["--log-format", "xml"], {}, "log_format"),
         (["--drain-timeout", "-1"], {}, "drain_timeout"),
         ([], {"LLM_SERVER_MAX_MODEL_LEN": "1"}, "max_model_len"),
+        (["--tool-call-parser", "mistral"], {}, "tool_call_parser must be one of hermes"),
+        (["--enable-auto-tool-choice"], {}, "needs tool_call_parser"),
+        (["--enable-auto-tool-choice", "maybe"], {}, "--enable-auto-tool-choice"),
     ],
 )
 def test_bad_values_raise_value_error_naming_them(
@@ -98,3 +101,13 @@ def test_empty_variables_count_as_unset() -> None:
     env = {"LLM_SERVER_MODEL": "", "LLM_SERVER_PORT": "", "LLM_SERVER_API_KEY": ""}
     config = parse_config([], environ=env)
     assert (config.model, config.port, config.api_key) == (None, 8000, None)
+
+
+def test_tool_flags_as_vllm_spells_them() -> None:
+    """`--enable-auto-tool-choice` alone switches it on; the variable says true or false."""
+    config = parse_config(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], {})
+    assert config.enable_auto_tool_choice and config.tool_call_parser == "hermes"
+    env = {"LLM_SERVER_ENABLE_AUTO_TOOL_CHOICE": "false", "LLM_SERVER_TOOL_CALL_PARSER": "hermes"}
+    config = parse_config([], environ=env)
+    assert not config.enable_auto_tool_choice and config.tool_call_parser == "hermes"
+    assert not parse_config([], environ={}).enable_auto_tool_choice

@@ -105,3 +105,27 @@ def test_ttft_is_observed_at_the_first_token_not_at_the_end(tmp_path: Path) -> N
     assert value(after, ttft) - value(before, ttft) == 1
     assert value(after, itl) - value(before, itl) == 59
     assert value(after, e2e) - value(before, e2e) == 1
+
+
+def test_prefix_cache_hits_are_counted_and_change_no_greedy_text(tiny_checkpoint: Path) -> None:
+    """The same long prompt twice through a server with a prefix pool: the second finds
+    its whole blocks, /metrics counts them, and the greedy text is the same."""
+    with serve_in_thread(make_config(tiny_checkpoint, prefix_cache_blocks=32)) as live:
+        prompt = [5 + (7 * i) % 200 for i in range(70)]  # 4 whole blocks, the last kept open
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        texts = []
+        for _ in range(2):
+            before = scrape(live)
+            response = httpx.post(live.base_url + "/v1/completions", json=body, timeout=60)
+            texts.append(response.json()["choices"][0]["text"])
+            after = scrape(live)
+        assert texts[0] == texts[1]
+        hits = value(after, "llm_prefix_cache_hits_total") - value(
+            before, "llm_prefix_cache_hits_total"
+        )
+        queries = value(after, "llm_prefix_cache_queries_total") - value(
+            before, "llm_prefix_cache_queries_total"
+        )
+        assert (hits, queries) == (4 * 16, 70)
+        assert 0 < value(after, "llm_prefix_cache_usage_perc") <= 1
+        assert value(after, "llm_kv_cache_usage_perc") == 0

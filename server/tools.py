@@ -1,0 +1,257 @@
+"""Tools on /v1/chat/completions: which calls a request allows, and reading them out.
+
+Owns: `tool_choice` against `tools` (vLLM's rules, each failure a 400), tools and
+earlier tool calls as chat templates read them, the JSON schema a reply must follow
+(`tool_choice_schema`), and each choice's `ToolCallReader`, which turns the generated
+text into `message.tool_calls` and, streaming, into OpenAI's tool-call deltas.
+
+tool_choice, as vLLM serves it:
+- "none": the tools still go to the template; the reply is text.
+- "auto" (the default when tools are given): the reply is read with the format of
+  `--tool-call-parser`; without it and `--enable-auto-tool-choice` a 400 says so.
+- "required": the reply is a JSON list of `{"name", "parameters"}` (vLLM's form), or
+  else whatever the configured parser finds in it.
+- `{"type": "function", "function": {"name": f}}`: the whole reply is f's arguments.
+Required and named are not enforced while decoding yet: `tool_choice_schema` is the
+schema a structured-output constraint will hold the reply to once the engine takes one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from server.config import ServerConfig
+from server.errors import bad_request
+from server.protocol import ChatCompletionRequest, ChatTool, MessageToolCall, NamedToolChoice
+from server.tool_parsers import PARSERS, ParsedCall, ParsedOutput, ToolParser, parse_required
+
+AUTO_FLAGS = "--enable-auto-tool-choice and --tool-call-parser"
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request's tools shape its prompt and how its reply is read."""
+
+    tools: tuple[dict[str, Any], ...]  # as the chat template reads them
+    choice: Literal["none", "auto", "required", "named"]
+    function: str | None = None  # the named function
+    parser: ToolParser | None = None  # the reply format of auto (and required's fallback)
+    single_call: bool = False  # parallel_tool_calls: false
+    output_schema: dict[str, Any] | None = None  # what the reply must follow; not enforced yet
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.choice != "none"
+
+
+def tool_dicts(tools: Sequence[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """`tools` as transformers' apply_chat_template takes them; None when there are none."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
+def plan_tools(request: ChatCompletionRequest, config: ServerConfig) -> ToolPlan | None:
+    """The request's use of tools (None: it gives none); a 400 names what is wrong."""
+    tools, choice = request.tools, request.tool_choice
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        return None
+    dicts = tuple(tool_dicts(tools) or ())
+    single = request.parallel_tool_calls is False
+    if isinstance(choice, NamedToolChoice):
+        names = [tool.function.name for tool in tools]
+        if choice.function.name not in names:
+            raise bad_request(
+                f"tool_choice names the function {choice.function.name!r}, which is not in "
+                f"`tools` (they define: {', '.join(map(repr, names)) or 'no functions'})",
+                param="tool_choice",
+            )
+        schema = tool_choice_schema(tools, choice)
+        return ToolPlan(dicts, "named", function=choice.function.name, output_schema=schema)
+    if choice is None:
+        choice = "auto"
+    if choice == "none" or not tools:  # "required" of no tools is "none", as OpenAI has it
+        return ToolPlan(dicts, "none")
+    parser = PARSERS.get(config.tool_call_parser or "")
+    if choice == "required":
+        schema = tool_choice_schema(tools, choice)
+        return ToolPlan(dicts, "required", parser=parser, single_call=single, output_schema=schema)
+    if parser is None or not config.enable_auto_tool_choice:
+        raise bad_request(f'"auto" tool choice requires {AUTO_FLAGS} to be set', "tool_choice")
+    return ToolPlan(dicts, "auto", parser=parser, single_call=single)
+
+
+def tool_choice_schema(
+    tools: Sequence[ChatTool], choice: Literal["none", "auto", "required"] | NamedToolChoice
+) -> dict[str, Any] | None:
+    """The JSON schema the reply must follow under `choice`; None when any text may follow.
+
+    vLLM's: a named function's parameters, or for "required" a non-empty list of
+    `{"name", "parameters"}` objects over the tools, with their `$defs` hoisted to the
+    top. The one place a structured-output constraint for tools is to come from.
+    """
+    if isinstance(choice, NamedToolChoice):
+        chosen = [tool for tool in tools if tool.function.name == choice.function.name]
+        return _parameters(chosen[0]) if chosen else None
+    if choice != "required" or not tools:
+        return None
+    defs: dict[str, Any] = {}
+    items = []
+    for tool in tools:
+        parameters = _parameters(tool)
+        tool_defs = parameters.pop("$defs", None)
+        for name, definition in (tool_defs if isinstance(tool_defs, dict) else {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise bad_request(
+                    f"tools define `$defs.{name}` differently; tool_choice required needs "
+                    "one definition of each name",
+                    param="tools",
+                )
+        items.append(
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object"}}
+    schema["items"]["anyOf"] = items
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    """A copy of the function's parameter schema; an empty object when it has none."""
+    return copy.deepcopy(tool.function.parameters or _EMPTY_PARAMETERS)
+
+
+def template_tool_calls(calls: Sequence[MessageToolCall], where: str) -> list[dict[str, Any]]:
+    """Earlier tool calls as templates read them: arguments as an object, not JSON text.
+
+    Transformers' convention, which vLLM follows; empty arguments are `{}`. ValueError
+    names a call whose arguments are not a JSON object.
+    """
+    out = []
+    for index, call in enumerate(calls):
+        arguments: Any = call.function.arguments
+        if isinstance(arguments, str) and arguments.strip():
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError) as exc:
+                raise ValueError(f"{where}[{index}].function.arguments is not JSON: {exc}") from exc
+        elif not arguments:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{where}[{index}].function.arguments must be a JSON object")
+        item: dict[str, Any] = {"type": "function"}
+        item["function"] = {"name": call.function.name, "arguments": arguments}
+        if call.id is not None:
+            item["id"] = call.id
+        out.append(item)
+    return out
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class ToolCallReader:
+    """One choice's reply read for tool calls, whole (`reply`) or as it streams (`step`).
+
+    Streaming, text goes out as content as soon as the parser says no call can start in
+    it, and the rest waits for the end of the output; there the whole text is read once,
+    as `reply` reads it, and what was held goes out, so the deltas add up to the whole
+    response. Content that is only blanks so far is held too: a reply of calls alone has
+    none. A named function's arguments stream as they come.
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self._sent = 0  # characters of the output streamed (content, or named arguments)
+        self._text_until = 0  # the output is text up to here whatever follows
+        self._ids: list[str] = []  # call ids, made once so stream and body agree
+
+    def read(self, text: str) -> ParsedOutput:
+        """The finished output as content and calls."""
+        plan = self.plan
+        if plan.choice == "named":
+            return ParsedOutput(None, (ParsedCall(plan.function or "", text),))
+        parsed = parse_required(text) if plan.choice == "required" else None
+        if parsed is None:
+            parsed = plan.parser.parse(text) if plan.parser is not None else ParsedOutput(text)
+        if plan.single_call and len(parsed.calls) > 1:
+            return ParsedOutput(parsed.content, parsed.calls[:1])
+        return parsed
+
+    def reply(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The whole reply's message and finish_reason."""
+        parsed = self.read(text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [self._call(i, call) for i, call in enumerate(parsed.calls)]
+        return message, self._finish(parsed, finish_reason)
+
+    def step(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The delta to stream now the output is `text`; once it has ended (finish_reason
+        given), everything held back, with the reply's finish_reason."""
+        if self.plan.choice == "named":
+            return self._named_step(text), finish_reason
+        if finish_reason is None:
+            content = self._releasable(text)
+            return ({"content": content} if content else {}), None
+        parsed = self.read(text)
+        delta: dict[str, Any] = {}
+        rest = (parsed.content or "")[self._sent :]  # the content starts with what was sent
+        if rest:
+            delta["content"] = rest
+        if parsed.calls:
+            delta["tool_calls"] = [
+                {"index": i, **self._call(i, call)} for i, call in enumerate(parsed.calls)
+            ]
+        return delta, self._finish(parsed, finish_reason)
+
+    def _releasable(self, text: str) -> str:
+        parser = self.plan.parser
+        if self.plan.choice != "auto" or parser is None:
+            return ""  # required: the reply is meant to be calls, so all of it waits
+        self._text_until = parser.text_until(text, self._text_until)
+        if self._sent == 0 and not text[: self._text_until].strip():
+            return ""
+        content = text[self._sent : self._text_until]
+        self._sent = self._text_until
+        return content
+
+    def _named_step(self, text: str) -> dict[str, Any]:
+        arguments = text[self._sent :]
+        self._sent = len(text)
+        if self._ids and not arguments:
+            return {}
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+        if not self._ids:  # the first delta of the call carries its id, type and name
+            call = {"index": 0, **self._call(0, ParsedCall(self.plan.function or "", arguments))}
+        return {"tool_calls": [call]}
+
+    def _call(self, index: int, call: ParsedCall) -> dict[str, Any]:
+        while len(self._ids) <= index:
+            self._ids.append(new_call_id())
+        return {
+            "id": self._ids[index],
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+
+    def _finish(self, parsed: ParsedOutput, finish_reason: str | None) -> str | None:
+        """The reply's finish_reason: `tool_calls` when calls were read; a named function's
+        reply keeps the engine's reason, as OpenAI and vLLM give it."""
+        if parsed.calls and self.plan.choice != "named":
+            return "tool_calls"
+        return finish_reason
