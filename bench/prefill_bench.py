@@ -32,6 +32,7 @@ from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 STREAMS = 8
+STREAM_TOKENS = 256  # enough steps to outlast the long prompt's prefill
 
 
 class _Ids:
@@ -62,28 +63,28 @@ def orchestrator(engine: Engine) -> Orchestrator:
 
 
 def run_streams(o: Orchestrator, vocab: int, tokens: int, long: tuple[int, ...] | None) -> Any:
-    """8 streams; with `long`, that prompt arrives once all are decoding."""
+    """8 streams; with `long`, that prompt arrives once each has 8 tokens. Returns the
+    streams' inter-token gaps (those ending inside the window from the long prompt's
+    arrival to its first token, when there is one) and that window."""
     arrivals: list[list[float]] = [[] for _ in range(STREAMS)]
-    started = threading.Barrier(STREAMS + 1)
+    going = threading.Semaphore(0)
 
     def read(i: int) -> None:
         stream = o.submit(
             ActiveRequest(f"s{i}", prompt(128, i, vocab), GREEDY, tokens, ignore_eos=True)
         )
-        first = True
         for delta in stream:
             arrivals[i].append(delta.emitted)
-            if first:
-                first = False
-                started.wait()
+            if len(arrivals[i]) == 8:
+                going.release()
 
     readers = [threading.Thread(target=read, args=(i,)) for i in range(STREAMS)]
     for r in readers:
         r.start()
-    started.wait()
+    for _ in range(STREAMS):
+        going.acquire()
     window = None
     if long is not None:
-        time.sleep(0.5)  # every stream well into its decode
         sent = time.monotonic()
         deltas: list[Delta] = o.submit(
             ActiveRequest("long", long, GREEDY, 1, ignore_eos=True)
@@ -93,8 +94,8 @@ def run_streams(o: Orchestrator, vocab: int, tokens: int, long: tuple[int, ...] 
         r.join()
     gaps = []
     for times in arrivals:
-        for before, after in zip(times, times[1:], strict=False):
-            if window is None or window[0] <= after <= window[1] + 0.05:
+        for before, after in zip(times[8:], times[9:], strict=False):
+            if window is None or window[0] <= after <= window[1]:
                 gaps.append(after - before)
     return gaps, window
 
@@ -103,13 +104,16 @@ def interference(engine: Engine, context: int) -> dict[str, float]:
     o = orchestrator(engine)
     try:
         vocab = engine.vocab_size
-        base, _ = run_streams(o, vocab, 160, None)
+        base, _ = run_streams(o, vocab, STREAM_TOKENS, None)
         long = prompt(int(0.75 * context), 99, vocab)
-        during, window = run_streams(o, vocab, 160, long)
+        during, window = run_streams(o, vocab, STREAM_TOKENS, long)
     finally:
         o.stop()
     p50 = statistics.median(base)
+    if not during:  # the streams ended before the long prompt's first token
+        raise SystemExit("no stream decoded during the long prefill: raise STREAM_TOKENS")
     return {
+        "gaps_in_window": len(during),
         "itl_p50_ms_without": round(1e3 * p50, 2),
         "itl_p99_ms_during_long_prefill": round(1e3 * percentile(during, 99), 2),
         "p99_during_over_p50_without": round(percentile(during, 99) / p50, 3),

@@ -385,6 +385,8 @@ class Engine:
 
     def bucket_for(self, length: int) -> int:
         self.limits.check(length, None)
+        if length > self.prefill_buckets[-1]:
+            raise ValueError(f"a {length}-token prompt is past the largest bucket: chunked")
         return next(b for b in self.prefill_buckets if b >= length)
 
     def prefill(
@@ -426,7 +428,7 @@ class Engine:
             self.params,
             padded,
             np.int32(length),
-            host_arrays(sampling),
+            host_arrays(sampling, self.vocab_size),
             self._inv_freq,
             self._eos_mask,
             all_logits=prompt_logprobs,
@@ -478,7 +480,7 @@ class Engine:
         ids = np.zeros((self._chunk_capacity + 1,), np.int32)
         ids[:length] = self._checked_ids(token_ids)
         start, (k_buf, v_buf) = loaded if loaded is not None else (0, self._chunk_buffers())
-        arrays = host_arrays(sampling)
+        arrays = host_arrays(sampling, self.vocab_size)
         chosen, top_lp, top_ids = [], [], []
         pieces = self._pieces(start, length, whole=prompt_logprobs)
         for offset, chunk in pieces:
@@ -519,7 +521,7 @@ class Engine:
         """Whether these prompts make one batched prefill call: one bucket, a compiled shape."""
         if len(lengths) < 2:
             return True
-        if max(lengths) > self.max_prompt_len:
+        if max(lengths) > self.prefill_buckets[-1]:  # chunked or too long: prefilled alone
             return False
         buckets = {self.bucket_for(n) for n in lengths}
         if len(buckets) != 1:
@@ -547,7 +549,7 @@ class Engine:
         for row, (ids, _) in enumerate(prompts):
             padded[row, : len(ids)] = self._checked_ids(ids)
             true_lengths[row] = len(ids)
-        samplings = [host_arrays(s) for _, s in prompts]
+        samplings = [host_arrays(s, self.vocab_size) for _, s in prompts]
         samplings += [samplings[0]] * (rows - len(prompts))
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *samplings)
         out = self._prefill_many(
@@ -573,7 +575,7 @@ class Engine:
         return prefixes
 
     def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
-        first = self._resample(prefix.last_logits, host_arrays(sampling))
+        first = self._resample(prefix.last_logits, host_arrays(sampling, self.vocab_size))
         return dataclasses.replace(
             prefix,
             sampling=sampling,
@@ -593,7 +595,7 @@ class Engine:
             v,
             np.int32(prefix.length),
             prefix.token,
-            host_arrays(prefix.sampling),
+            host_arrays(prefix.sampling, self.vocab_size),
         )
 
     def decode_bucket(self, busy_rows: int) -> int:

@@ -1,14 +1,16 @@
 """On-device sampling for a batch of rows, each with its own parameters and key.
 
-Owns: penalties, min_tokens, greedy / temperature / top-k / top-p in one pass,
-and the logprobs of the raw logits. Every row is computed independently of
-the others and the random draw is always made over the full vocabulary in
-token order, so a seeded row samples the same token whatever shares its batch.
+Owns: penalties, min_tokens, logit bias, the allowed-token bitmask, greedy /
+temperature / top-k / top-p in one pass, and the logprobs of the raw logits.
+Every row is computed independently of the others and the random draw is
+always made over the full vocabulary in token order, so a seeded row samples
+the same token whatever shares its batch.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from engine.types import MAX_LOGPROBS, SamplingParams
+from engine.types import INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 CANDIDATES = 64  # top-k / top-p thresholds within this many best tokens avoid a bisection
 
@@ -32,6 +34,26 @@ class SamplingArrays(NamedTuple):
     min_tokens: jax.Array  # int32
     key: jax.Array  # uint32 (2,): raw threefry key of the request's seed
     logprobs: jax.Array  # bool: the request wants logprobs
+    bias_ids: jax.Array  # (MAX_LOGIT_BIAS,) int32; padding INT32_MAX (dropped by the scatter)
+    bias_values: jax.Array  # (MAX_LOGIT_BIAS,) float32; padding 0
+    allowed: jax.Array  # (mask_words(vocab),) int32 allowed-token bitmask; all ones: every token
+    masked: jax.Array  # bool: the bitmask restricts this row
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of an allowed-token bitmask: token t is bit t % 32 of word t // 32."""
+    return -(-vocab_size // 32)
+
+
+def token_bitmask(allowed: Sequence[int] | None, vocab_size: int) -> np.ndarray:
+    """The allowed-token bitmask of these ids (None: every token), as int32 words."""
+    words = mask_words(vocab_size)
+    if allowed is None:
+        return np.full((words,), -1, np.int32)
+    bits = np.zeros((words * 32,), bool)
+    bits[np.asarray(allowed, np.int64)] = True
+    packed = np.packbits(bits.reshape(words, 32), axis=-1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<i4")[:, 0].astype(np.int32)
 
 
 class Sampled(NamedTuple):
@@ -49,10 +71,15 @@ def seed_key(seed: int) -> np.ndarray:
     return np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
 
 
-def host_arrays(sampling: SamplingParams) -> SamplingArrays:
-    """One request's sampling as host scalars; dtypes fixed so jit never retraces."""
+def host_arrays(sampling: SamplingParams, vocab_size: int) -> SamplingArrays:
+    """One request's sampling as host scalars; dtypes and shapes fixed so jit never retraces."""
     if sampling.seed is None:
         raise ValueError("sampling.seed must be set before the engine sees the request")
+    sampling.check_vocab(vocab_size)
+    bias_ids = np.full((MAX_LOGIT_BIAS,), INT32_MAX, np.int32)
+    bias_values = np.zeros((MAX_LOGIT_BIAS,), np.float32)
+    for i, (token, bias) in enumerate(sampling.logit_bias):
+        bias_ids[i], bias_values[i] = token, bias
     host: dict[str, Any] = {  # numpy values: jit takes them where it takes device arrays
         "temperature": np.float32(sampling.temperature),
         "top_k": np.int32(max(sampling.top_k, 0)),
@@ -62,6 +89,10 @@ def host_arrays(sampling: SamplingParams) -> SamplingArrays:
         "min_tokens": np.int32(sampling.min_tokens),
         "key": seed_key(sampling.seed),
         "logprobs": np.bool_(sampling.logprobs is not None),
+        "bias_ids": bias_ids,
+        "bias_values": bias_values,
+        "allowed": token_bitmask(sampling.allowed_token_ids, vocab_size),
+        "masked": np.bool_(sampling.allowed_token_ids is not None),
     }
     return SamplingArrays(**host)
 
@@ -191,10 +222,11 @@ def sample(
     Logprobs (a log-softmax and a top-20 over the vocabulary, ~1 ms of a
     16-slot step of a 32k-vocabulary model on CPU) are computed only when
     some row asks for them (a row that does not ask may get zeros). Likewise
-    penalties and min_tokens cost passes over the vocabulary only when some
-    row has them. A batch of plain greedy rows runs one argmax and nothing
-    else (its branch returns only (B,)-sized arrays: a branch that passes
-    the logits through is a copy of them); otherwise every row gets the
+    penalties, min_tokens, logit bias and the allowed-token bitmask cost
+    passes over the vocabulary only when some row has them. A batch of plain
+    greedy rows runs one argmax and nothing else (its branch returns only
+    (B,)-sized arrays: a branch that passes the logits through is a copy of
+    them); otherwise every row gets the
     argmax, and only the rows that need more are copied out, GATHERED_ROWS
     at a time, for the passes over the vocabulary. Every row's result
     depends on that row alone, so a row gets the same bits either way.
@@ -205,6 +237,8 @@ def sample(
         | (generated < params.min_tokens)
         | (params.temperature > 0)
         | params.logprobs
+        | biased(params)
+        | params.masked
     )
     return lax.cond(
         jnp.any(special),
@@ -257,7 +291,8 @@ def _sample_special(
 
 
 def _greedy(logits: jax.Array, *_: Any) -> Sampled:
-    """What _sample_any gives rows that are greedy without penalties or logprobs, bit for bit."""
+    """What _sample_any gives greedy rows without penalties, logprobs, bias or mask, bit for
+    bit."""
     rows = logits.shape[0]
     return Sampled(
         argmax(logits),
@@ -280,6 +315,18 @@ def _sample_any(
         adjusting,
         lambda: _adjust(logits, params, counts, generated, eos_mask),
         lambda: logits,  # what _adjust gives a row without penalties or held EOS, bit for bit
+    )
+    adjusted = lax.cond(
+        jnp.any(biased(params)),
+        lambda x: add_logit_bias(x, params.bias_ids, params.bias_values),
+        lambda x: x,
+        adjusted,
+    )
+    adjusted = lax.cond(  # last, so nothing added after it can lift a disallowed token
+        jnp.any(params.masked),
+        lambda x: apply_token_bitmask(x, params.allowed),
+        lambda x: x,
+        adjusted,
     )
     greedy = argmax(adjusted)
 
@@ -308,6 +355,32 @@ def _sample_any(
 def penalized(params: SamplingArrays) -> jax.Array:
     """Per row, whether presence or frequency penalties apply (and so token counts matter)."""
     return (params.presence_penalty != 0) | (params.frequency_penalty != 0)
+
+
+def biased(params: SamplingArrays) -> jax.Array:
+    """Per row, whether a logit bias applies."""
+    return jnp.any(params.bias_values != 0, axis=-1)
+
+
+def add_logit_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """logits (B, vocab) plus each row's (ids, values) (B, n); ids out of range are dropped,
+    so padding (INT32_MAX) changes nothing, bit for bit."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, ids].add(values, mode="drop")
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf at every token whose bit is clear in its row's bitmask (B, mask_words(vocab)).
+
+    The one place an allowed-token mask meets the logits: allowed_token_ids
+    today, a grammar engine's per-step mask later. A row whose words are all
+    ones keeps its logits bit for bit.
+    """
+    rows, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # (B, words, 32): token 32 * word + bit
+    allowed = bits.reshape(rows, -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _adjust(

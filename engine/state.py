@@ -25,7 +25,8 @@ from jax import lax
 
 from engine.config import ModelConfig
 from engine.model import Params, decode_forward, key_block, key_blocks
-from engine.sampling import Sampled, SamplingArrays, penalized, sample
+from engine.sampling import Sampled, SamplingArrays, mask_words, penalized, sample
+from engine.types import INT32_MAX, MAX_LOGIT_BIAS
 
 
 @jax.tree_util.register_dataclass
@@ -71,6 +72,10 @@ def empty_state(
             min_tokens=zeros_i,
             key=jnp.zeros((slots, 2), jnp.uint32),
             logprobs=jnp.zeros((slots,), bool),
+            bias_ids=jnp.full((slots, MAX_LOGIT_BIAS), INT32_MAX, jnp.int32),
+            bias_values=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32),
+            allowed=jnp.full((slots, mask_words(cfg.vocab_size)), -1, jnp.int32),
+            masked=jnp.zeros((slots,), bool),
         ),
         active=jnp.zeros((slots,), bool),
     )

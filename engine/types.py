@@ -16,6 +16,8 @@ from typing import Any, Protocol
 MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit); the device arrays hold this many
+LOGIT_BIAS_LIMIT = 100.0  # each bias in [-100, 100], as OpenAI's
 
 
 class EngineError(Exception):
@@ -24,6 +26,14 @@ class EngineError(Exception):
 
 class CheckpointError(EngineError, ValueError):
     """A checkpoint folder is missing a file, holds a corrupt one, or is unsupported."""
+
+
+class SamplingError(EngineError, ValueError):
+    """A sampling parameter the engine cannot honour; `param` names the request field."""
+
+    def __init__(self, message: str, param: str):
+        self.param = param
+        super().__init__(message)
 
 
 class PromptTooLongError(EngineError, ValueError):
@@ -91,6 +101,10 @@ class SamplingParams:
     `logprobs` None returns none; N in 0..20 returns the chosen token's
     logprob and the N most likely alternatives (of the raw, unscaled logits,
     as vLLM does).
+    `logit_bias` ((token id, bias) pairs, ids distinct) is added to the logits
+    of every sampled position; `allowed_token_ids` (None: every token) restricts
+    sampling to those ids. Both shape only what is sampled: logprobs stay those
+    of the model's raw logits (vLLM's default logprobs mode).
     """
 
     temperature: float = 1.0
@@ -101,6 +115,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """Every value must be one the device arrays hold exactly (float32, int32, 64-bit key)."""
@@ -120,6 +136,45 @@ class SamplingParams:
             raise ValueError(f"top_k must fit in int32, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
+        self._check_logit_bias()
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise SamplingError("allowed_token_ids must not be empty", "allowed_token_ids")
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingError(
+                f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+                "logit_bias",
+            )
+        ids = [token for token, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise SamplingError("logit_bias names a token id twice", "logit_bias")
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+                raise SamplingError(
+                    f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                    f"got {bias} for token {token}",
+                    "logit_bias",
+                )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """SamplingError when logit_bias or allowed_token_ids names an id outside the vocabulary.
+
+        The one owner of this rule: the server asks it for a 400, the engine before
+        building the device arrays.
+        """
+        named = (
+            ("logit_bias", [token for token, _ in self.logit_bias]),
+            ("allowed_token_ids", list(self.allowed_token_ids or ())),
+        )
+        for param, ids in named:
+            bad = [token for token in ids if not 0 <= token < vocab_size]
+            if bad:
+                raise SamplingError(
+                    f"{param} has token ids outside the vocabulary (0..{vocab_size - 1}): "
+                    f"{bad[:5]}",
+                    param,
+                )
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,15 @@
 """Validated OpenAI requests -> the orchestrator's `ActiveRequest`s.
 
 Owns every check that needs the model or the server's limits: prompt and
-context length, n, stop strings, logprobs, token ids. Each failure is a 400
+context length, n, stop strings, logprobs, token ids (logit_bias and
+allowed_token_ids asked of SamplingParams). Each failure is a 400
 `APIError` whose `param` names the field, raised before anything is queued.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -151,6 +153,23 @@ def stop_strings(request: SamplingFields, config: ServerConfig) -> tuple[str, ..
     return items
 
 
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,12}")  # a JSON object key naming a token id
+
+
+def logit_bias(request: SamplingFields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs; the count, the range and
+    the ids are SamplingParams' rules (the engine owns them)."""
+    pairs = []
+    for key, bias in (request.logit_bias or {}).items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise bad_request(
+                f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                param="logit_bias",
+            )
+        pairs.append((int(key), bias))
+    return tuple(pairs)
+
+
 def sampling_params(
     request: SamplingFields, logprobs: int | None, max_tokens: int | None, limits: ModelLimits
 ) -> SamplingParams:
@@ -169,7 +188,7 @@ def sampling_params(
             param="min_tokens",
         )
     try:
-        return SamplingParams(
+        sampling = SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,
             top_k=top_k,
             top_p=1.0 if request.top_p is None else request.top_p,
@@ -178,9 +197,15 @@ def sampling_params(
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             min_tokens=request.min_tokens,
+            logit_bias=logit_bias(request),
+            allowed_token_ids=(
+                None if request.allowed_token_ids is None else tuple(request.allowed_token_ids)
+            ),
         )
-    except ValueError as exc:
-        raise bad_request(str(exc)) from exc
+        sampling.check_vocab(limits.vocab_size)
+    except ValueError as exc:  # SamplingError names its field
+        raise bad_request(str(exc), param=getattr(exc, "param", None)) from exc
+    return sampling
 
 
 def check_length(prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str) -> None:

@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI requests we accept.
 
 Unknown fields are ignored, as OpenAI does; vLLM's extras (`top_k`, `ignore_eos`,
-`stop_token_ids`, `min_tokens`, ...) are accepted. Fields we know but do not
+`stop_token_ids`, `min_tokens`, `allowed_token_ids`, ...) are accepted. Fields we know but do not
 support are declared so that setting them is a clear 400 (see `unsupported`),
 never silently ignored. Limits that depend on the server's config are checked
 later, in `server.params`.
@@ -71,8 +71,11 @@ class SamplingFields(BaseModel):
     min_tokens: StrictInt = Field(default=0, ge=0)  # <= max_tokens (params)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    allowed_token_ids: list[StrictInt] | None = None  # non-empty, in the vocabulary (params)
+    # OpenAI's: token id (a string of an int) -> bias; keys parsed in server.params, count,
+    # range and ids are SamplingParams' rules
+    logit_bias: dict[StrictStr, StrictFloat] | None = None
     # known but unsupported: rejected when they would change the output
-    logit_bias: dict[str, StrictFloat] | None = None
     repetition_penalty: StrictFloat | None = _float()
     min_p: StrictFloat | None = _float()
     response_format: dict[str, Any] | None = None
@@ -82,8 +85,6 @@ class SamplingFields(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first set field we cannot honour, else None."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.repetition_penalty not in (None, 1.0):
             return "repetition_penalty", "repetition_penalty is not supported"
         if self.min_p not in (None, 0.0):

@@ -173,3 +173,45 @@ class _Ids:
 
     def flush(self) -> str:
         return ""
+
+
+class GatedEngine(Engine):
+    """Its first prefill waits for a gate, so the prompts sent meanwhile queue up together."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.calls = 0
+
+    def prefill(self, token_ids, sampling, **kw):
+        self.calls += 1
+        if self.calls == 1:
+            assert self.gate.wait(30)
+        return super().prefill(token_ids, sampling, **kw)
+
+
+def test_long_prompts_queued_behind_a_short_one_are_prefilled_alone(engines, tiny_checkpoint_of):
+    """The prefill stage asks whether queued prompts batch with the first; a chunked length
+    is simply 'no' (it once raised StopIteration and killed the stage)."""
+    chunked, _ = engines
+    assert not chunked.batch_fits([20, 90]) and not chunked.batch_fits([90, 99])
+    with pytest.raises(ValueError, match="chunked"):
+        chunked.bucket_for(90)
+    folder = tiny_checkpoint_of("llama")
+    engine = GatedEngine(EngineConfig(folder, max_slots=4, max_model_len=MAX_LEN, prefill_chunk=32))
+    o = Orchestrator(engine, text_streams(lambda ids, skip: _Ids(), ()))
+    o.start()
+    try:
+        vocab = engine.vocab_size
+        blocker = o.submit(ActiveRequest("blocker", (1, 2, 3), GREEDY, 2))
+        time.sleep(0.2)  # the stage holds the blocker at the gate
+        streams = [
+            o.submit(ActiveRequest(f"r{n}", tuple(prompt(n, vocab)), GREEDY, 2))
+            for n in (20, 90, 97, 40)
+        ]
+        engine.gate.set()
+        for stream in [blocker, *streams]:
+            assert sum(len(d.token_ids) for d in stream.collect(timeout=60)) == 2
+        assert o.alive
+    finally:
+        o.stop()

@@ -87,6 +87,31 @@ def test_every_decode_bucket_is_compiled_by_warmup(small_engine, compile_events)
     assert {name: f._cache_size() for name, f in jitted(engine).items()} == sizes_before
 
 
+def test_logit_bias_and_allowed_token_ids_compile_nothing(small_engine, compile_events):
+    """Bias and bitmask arrays have fixed shapes; their branches are compiled by warm-up."""
+    engine = small_engine
+    sizes_before = {name: f._cache_size() for name, f in jitted(engine).items()}
+    state = engine.init_state()
+    bias = tuple((i, 1.0) for i in range(300))
+    samplings = (
+        SamplingParams(temperature=0.0, seed=1, logit_bias=((5, 100.0),)),
+        SamplingParams(temperature=0.0, seed=2, allowed_token_ids=(3, 4)),
+        SamplingParams(temperature=0.8, top_k=4, seed=3, logprobs=2, logit_bias=bias),
+        SamplingParams(temperature=1.0, seed=4, allowed_token_ids=(9,), logit_bias=((9, -5.0),)),
+    )
+    for batch in engine.decode_buckets:
+        for i, sampling in enumerate(samplings):
+            slot = (batch - 1 + i) % batch
+            state = engine.free(state, slot)
+            prefix = engine.prefill([3, 4, 5, 6][: i + 1], sampling)
+            state = engine.insert(engine.resample(prefix, sampling), state, slot)
+            state, out = engine.generate(state, batch)
+    engine.prefill_batch([([1, 2], samplings[0]), ([3], samplings[1])])
+    jax.block_until_ready(out.tokens)
+    assert compile_events == []
+    assert {name: f._cache_size() for name, f in jitted(engine).items()} == sizes_before
+
+
 def test_the_counter_sees_a_compilation(small_engine, compile_events):
     """The check above can fail: a new shape is noticed."""
     jax.jit(lambda x: x * 3)(jax.numpy.ones((3, 5, 7)))

@@ -7,15 +7,33 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampling import SamplingArrays, argmax, sample, seed_key
-from engine.types import MAX_LOGPROBS
+from engine.sampling import (
+    SamplingArrays,
+    apply_token_bitmask,
+    argmax,
+    host_arrays,
+    sample,
+    seed_key,
+    token_bitmask,
+)
+from engine.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 VOCAB = 32
 ROWS = 4000
 
 
-def batch(rows: int, **values: float) -> SamplingArrays:
+def batch(rows: int, vocab: int = VOCAB, **values) -> SamplingArrays:
+    """rows copies of one row's sampling; logit_bias and allowed_token_ids as in SamplingParams."""
     full = lambda v, dt: jnp.full((rows,), v, dt)
+    bias = host_arrays(
+        SamplingParams(
+            seed=0,
+            logit_bias=values.get("logit_bias", ()),
+            allowed_token_ids=values.get("allowed_token_ids"),
+        ),
+        vocab,
+    )
+    tile = lambda a: jnp.tile(jnp.asarray(a), (rows, 1) if a.ndim else (rows,))
     return SamplingArrays(
         temperature=full(values.get("temperature", 1.0), jnp.float32),
         top_k=full(values.get("top_k", 0), jnp.int32),
@@ -25,6 +43,10 @@ def batch(rows: int, **values: float) -> SamplingArrays:
         min_tokens=full(values.get("min_tokens", 0), jnp.int32),
         key=jnp.tile(jnp.asarray(seed_key(int(values.get("seed", 7)))), (rows, 1)),
         logprobs=full(values.get("logprobs", True), bool),
+        bias_ids=tile(bias.bias_ids),
+        bias_values=tile(bias.bias_values),
+        allowed=tile(bias.allowed),
+        masked=tile(bias.masked),
     )
 
 
@@ -41,7 +63,8 @@ def draw(logits: np.ndarray, rows: int = ROWS, counts=None, generated=None, eos=
     eos_mask = np.zeros((len(logits),), bool)
     eos_mask[list(eos)] = True
     index = jnp.arange(rows, dtype=jnp.int32)
-    return jax.device_get(run(tiled, batch(rows, **values), index, counts, generated, eos_mask))
+    params = batch(rows, len(logits), **values)
+    return jax.device_get(run(tiled, params, index, counts, generated, eos_mask))
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +222,7 @@ def test_a_row_samples_the_same_alone_and_in_every_batch_path(special):
     per_row = [
         kinds[i % len(kinds)] if i in special else dict(temperature=0.0) for i in range(rows)
     ]
-    params = [batch(1, **{"logprobs": False, "seed": 7, **kw}) for kw in per_row]
+    params = [batch(1, vocab, **{"logprobs": False, "seed": 7, **kw}) for kw in per_row]
     stacked = jax.tree.map(lambda *a: jnp.concatenate(a), *params)
     counts = jnp.asarray(rng.integers(0, 3, size=(rows, vocab)).astype(np.int32))
     index = jnp.arange(rows, dtype=jnp.int32) + 3
@@ -273,3 +296,105 @@ def test_filters_exact_on_both_the_fast_and_the_bisection_path():
         )
         assert (np.asarray(alone)[0] == batch_mask[i]).all(), i
     assert batch_mask[1].sum() > CANDIDATES and batch_mask[3].sum() > CANDIDATES  # slow path used
+
+
+def test_token_bitmask_sets_bit_t_mod_32_of_word_t_div_32():
+    words = token_bitmask([0, 1, 31, 32, 65, 99], 100).view(np.uint32)
+    assert words.tolist() == [0x80000003, 0x1, 0x2, 0x8]
+    assert token_bitmask(None, 100).tolist() == [-1] * 4
+
+
+def test_apply_token_bitmask_keeps_allowed_logits_bit_for_bit():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(2, 70)).astype(np.float32)
+    masks = np.stack([token_bitmask([3, 40, 69], 70), token_bitmask(None, 70)])
+    out = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(masks)))
+    assert np.isfinite(out[0]).nonzero()[0].tolist() == [3, 40, 69]
+    np.testing.assert_array_equal(out[0, [3, 40, 69]], logits[0, [3, 40, 69]])
+    np.testing.assert_array_equal(out[1], logits[1])
+
+
+def test_logit_bias_steers_greedy_and_leaves_logprobs_raw(logits):
+    best, worst = int(np.argmax(logits)), int(np.argmin(logits))
+    plain = draw(logits, rows=1, temperature=0.0)
+    up = draw(logits, rows=1, temperature=0.0, logit_bias=((worst, 100.0),))
+    down = draw(logits, rows=1, temperature=0.0, logit_bias=((best, -100.0),))
+    assert plain.token[0] == best and up.token[0] == worst
+    assert down.token[0] == int(np.argsort(-logits)[1])
+    np.testing.assert_array_equal(up.top_logprobs, plain.top_logprobs)
+
+
+def test_a_full_logit_bias_applies_every_entry():
+    vocab = 400
+    logits = np.zeros((vocab,), np.float32)
+    bias = tuple((i, -100.0) for i in range(MAX_LOGIT_BIAS))
+    out = draw(logits, rows=256, logit_bias=bias, temperature=1.0)
+    assert out.token.min() >= MAX_LOGIT_BIAS  # every biased id, the last entry's included
+    big = draw(logits, rows=1, temperature=0.0, logit_bias=bias[:-1] + ((399, 5.0),))
+    assert big.token[0] == 399
+
+
+def test_allowed_token_ids_restrict_every_draw(logits):
+    allowed = (1, 7, 30)
+    out = draw(logits, rows=2000, allowed_token_ids=allowed, temperature=1.0)
+    assert set(out.token.tolist()) == set(allowed)
+    greedy = draw(logits, rows=1, allowed_token_ids=allowed, temperature=0.0)
+    assert greedy.token[0] == max(allowed, key=lambda t: logits[t])
+    filtered = draw(logits, rows=500, allowed_token_ids=allowed, top_k=2, temperature=2.0)
+    assert set(filtered.token.tolist()) == set(sorted(allowed, key=lambda t: -logits[t])[:2])
+
+
+def test_a_mask_holds_against_a_bias_and_min_tokens_holds_eos(logits):
+    allowed = (2, 5, 9)
+    eos = max(allowed, key=lambda t: logits[t])
+    out = draw(
+        logits,
+        rows=300,
+        eos=(eos,),
+        min_tokens=1,
+        logit_bias=((0, 100.0), (eos, 100.0)),
+        allowed_token_ids=allowed,
+        temperature=1.0,
+    )
+    assert set(out.token.tolist()) <= set(allowed) - {eos}
+
+
+def test_rows_without_bias_or_mask_sample_as_they_do_alone():
+    """A batch where some rows have a bias or a mask: the others keep their bits."""
+    rng = np.random.default_rng(5)
+    rows, vocab = 6, 600
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32))
+    args = (
+        jnp.arange(rows, dtype=jnp.int32),
+        jnp.zeros((rows, vocab), jnp.int32),
+        jnp.zeros((rows,), jnp.int32),
+        np.zeros((vocab,), bool),
+    )
+    for temperature in (0.0, 0.9):
+        plain = batch(rows, vocab, temperature=temperature, logprobs=False)
+        special = batch(
+            rows, vocab, temperature=temperature, logprobs=False, logit_bias=((3, 50.0),)
+        )
+        masked = batch(rows, vocab, allowed_token_ids=(1, 2))
+        mixed = jax.tree.map(
+            lambda p, b, m: jnp.concatenate([p[:2], b[2:4], m[4:]]), plain, special, masked
+        )
+        alone = jax.device_get(run(logits, plain, *args))
+        together = jax.device_get(run(logits, mixed, *args))
+        np.testing.assert_array_equal(together.token[:2], alone.token[:2])
+        assert together.token[2:4].tolist() == [3, 3]
+        assert set(together.token[4:].tolist()) <= {1, 2}
+
+
+def test_sampling_params_bound_the_new_fields():
+    with pytest.raises(ValueError, match="at most 300"):
+        SamplingParams(logit_bias=tuple((i, 1.0) for i in range(301)))
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias=((1, 100.5),))
+    with pytest.raises(ValueError, match="twice"):
+        SamplingParams(logit_bias=((1, 1.0), (1, 2.0)))
+    with pytest.raises(ValueError, match="empty"):
+        SamplingParams(allowed_token_ids=())
+    with pytest.raises(ValueError, match="outside the vocabulary") as info:
+        SamplingParams(allowed_token_ids=(5, 32)).check_vocab(32)
+    assert info.value.param == "allowed_token_ids"
