@@ -209,7 +209,8 @@ class Engine:
         self._prefill_many = jax.jit(functools.partial(self._prefill_many_impl, cfg=cfg))
         self.prefill_chunk = config.prefill_chunk if self._chunks_prompts(config) else None
         self.prefix_cache: PrefixPool | None = None
-        if self.prefill_chunk is not None or config.prefix_cache_blocks:
+        self._piece_steps = self.prefill_chunk is not None or bool(config.prefix_cache_blocks)
+        if self._piece_steps:
             # Pieces of a prompt computed on top of the KV before them: chunks of a long
             # prompt, and the rest of a prompt after a prefix-cache hit.
             self._piece = self.prefill_chunk or self.prefill_buckets[-1]
@@ -247,15 +248,22 @@ class Engine:
             donate_argnums=(1,),
             static_argnames=("rows",),
         )
+        self.memory = {
+            "decode_cache_bytes": _bytes_of(jax.eval_shape(self._init_state)),
+            "prefix_cache_bytes": 0 if self.prefix_cache is None else self.prefix_cache.bytes,
+            "prompt_buffer_bytes": (
+                _bytes_of(jax.eval_shape(self._chunk_buffers)) if self._piece_steps else 0
+            ),
+        }
         logger.info(
             "engine ready: %s, %d slots, max_model_len %d, buckets %s, prefill chunk %s, "
-            "prefix cache %s bytes, %s",
+            "device memory (bytes) %s, %s",
             cfg.architecture,
             self.max_slots,
             self.max_model_len,
             self.prefill_buckets,
             self.prefill_chunk,
-            0 if self.prefix_cache is None else self.prefix_cache.bytes,
+            self.memory,
             config.dtype,
         )
 
@@ -378,10 +386,11 @@ class Engine:
 
     def cache_stats(self) -> CacheStats:
         pool = self.prefix_cache
+        memory = self.memory
         if pool is None:
-            return CacheStats()
+            return CacheStats(**memory)
         index = pool.index
-        return CacheStats(index.stats.queries, index.stats.hits, index.used, index.blocks)
+        return CacheStats(index.stats.queries, index.stats.hits, index.used, index.blocks, **memory)
 
     def bucket_for(self, length: int) -> int:
         self.limits.check(length, None)
@@ -695,6 +704,11 @@ def _prompt_logprobs(
         alternatives = tuple((int(top_ids[i - 1, j]), float(top_lp[i - 1, j])) for j in range(n))
         result.append(TokenLogprobs(int(token_ids[i]), float(chosen_np[i - 1]), alternatives))
     return result
+
+
+def _bytes_of(shapes: Any) -> int:
+    """Bytes of every array in a pytree of shapes (jax.eval_shape's)."""
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(shapes))
 
 
 def _new_prefix(

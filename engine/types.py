@@ -233,6 +233,10 @@ class CacheStats:
     prefix_hits: int = 0
     prefix_blocks_used: int = 0
     prefix_blocks: int = 0  # 0: no prefix cache
+    # Device memory each pool was given at start, in bytes; none of them ever grows.
+    decode_cache_bytes: int = 0  # every slot's KV, a whole context each
+    prefix_cache_bytes: int = 0
+    prompt_buffer_bytes: int = 0  # one long prompt's KV while it is prefilled in pieces
 
 
 class EngineProtocol(Protocol):

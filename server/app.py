@@ -152,13 +152,18 @@ def _add_routes(
             )
         return JSONResponse(await until_disconnect(request, generation.complete(shaper)))
 
+    async def planned(
+        planner: Callable[..., GenerationPlan], body: Any, id_prefix: str
+    ) -> tuple[Backend, GenerationPlan, str]:
+        """The ready backend, the request's plan (made off the event loop) and a new id."""
+        backend = runtime.require_ready()
+        response_id = f"{id_prefix}{uuid.uuid4().hex}"
+        plan = await off_loop(planner, response_id, body, backend.tokenizer, config, backend.limits)
+        return backend, plan, response_id
+
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        backend = runtime.require_ready()
-        response_id = f"cmpl-{uuid.uuid4().hex}"
-        plan = await off_loop(
-            plan_completion, response_id, body, backend.tokenizer, config, backend.limits
-        )
+        backend, plan, response_id = await planned(plan_completion, body, "cmpl-")
         shaper = completions.CompletionShaper(
             plan, backend.tokenizer, config.model_name, response_id
         )
@@ -166,21 +171,13 @@ def _add_routes(
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        backend = runtime.require_ready()
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        plan = await off_loop(
-            chat.plan_chat, response_id, body, backend.tokenizer, config, backend.limits
-        )
+        backend, plan, response_id = await planned(chat.plan_chat, body, "chatcmpl-")
         shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)
         return await respond(request, backend, plan, shaper)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        backend = runtime.require_ready()
-        response_id = f"resp_{uuid.uuid4().hex}"
-        plan = await off_loop(
-            responses.plan_response, response_id, body, backend.tokenizer, config, backend.limits
-        )
+        backend, plan, response_id = await planned(responses.plan_response, body, "resp_")
         shaper = responses.ResponsesShaper(plan, body, config.model_name, response_id)
         if not plan.stream:
             return await respond(request, backend, plan, shaper)

@@ -71,10 +71,23 @@ class _StatsCollector(Collector):
         depth = GaugeMetricFamily(
             "llm_queue_depth", "Items waiting in each stage's queue", labels=["model_name", "stage"]
         )
+        memory = GaugeMetricFamily(
+            "llm_engine_memory_bytes",
+            "Device memory given to each engine pool at start",
+            labels=["model_name", "pool"],
+        )
         if stats is not None:
             depth.add_metric(name + ["prefill"], stats.prefill_queue_depth)
             depth.add_metric(name + ["detokenize"], stats.detokenize_queue_depth)
+            cache = stats.cache
+            for pool, size in (
+                ("decode_cache", cache.decode_cache_bytes),
+                ("prefix_cache", cache.prefix_cache_bytes),
+                ("prompt_buffer", cache.prompt_buffer_bytes),
+            ):
+                memory.add_metric(name + [pool], size)
         yield depth
+        yield memory
 
 
 class EngineMetrics:

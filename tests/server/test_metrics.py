@@ -129,3 +129,8 @@ def test_prefix_cache_hits_are_counted_and_change_no_greedy_text(tiny_checkpoint
         assert (hits, queries) == (4 * 16, 70)
         assert 0 < value(after, "llm_prefix_cache_usage_perc") <= 1
         assert value(after, "llm_kv_cache_usage_perc") == 0
+        # 32 blocks x 16 positions x K and V x 2 layers x 2 kv heads x 16 dims x 4 bytes
+        assert value(after, "llm_engine_memory_bytes", pool="prefix_cache") == 32 * 16 * 2 * (
+            2 * 2 * 16 * 4
+        )
+        assert value(after, "llm_engine_memory_bytes", pool="decode_cache") > 0
