@@ -21,10 +21,10 @@ TAIL = 20  # decode steps from the prompt's end to the context's
 
 
 @pytest.mark.parametrize(
-    "max_len,chunk", [(300, None), (1000, None), (1000, 256), (2000, None), (MAX_POSITIONS, None)]
+    "max_len,chunk", [(300, None), (300, 64), (1000, None), (2000, None), (MAX_POSITIONS, None)]
 )
 def test_a_context_of_any_length_decodes_to_its_end(tiny_checkpoint_of, max_len, chunk):
-    """Whole prompts in one bucket of the context's length, and (chunk) in 256-token pieces."""
+    """Whole prompts in one bucket of the context's length, and (chunk) in 64-token pieces."""
     folder = tiny_checkpoint_of("llama", max_position_embeddings=MAX_POSITIONS)
     buckets = (max_len,) if chunk is None else None
     engine = Engine(
