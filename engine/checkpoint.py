@@ -55,14 +55,21 @@ class _TensorReader:
                 location[name] = file
         return location
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, shape: tuple[int, ...], part: tuple[slice, ...] = ()) -> np.ndarray:
+        """Tensor `name`, checked to be of `shape`; `part` reads only that slice of it."""
         file = self.location.get(name)
         if file is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found in the checkpoint")
         if file not in self._handles:
             self._handles[file] = _open(file)
         try:
-            return self._handles[file].get_tensor(name)
+            tensor = self._handles[file].get_slice(name)
+            found = tuple(tensor.get_shape())
+            if found != shape:
+                raise CheckpointError(
+                    f"{self.folder}: tensor {name!r} has shape {found}, expected {shape}"
+                )
+            return tensor[part] if part else tensor[:]
         except SafetensorError as exc:
             raise CheckpointError(f"{file}: cannot read tensor {name!r} ({exc})") from exc
 
@@ -77,58 +84,69 @@ def _open(file: Path) -> Any:
         raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
 
 
-def _expect(array: np.ndarray, shape: tuple[int, ...], name: str, folder: Path) -> np.ndarray:
-    if tuple(array.shape) != shape:
-        raise CheckpointError(
-            f"{folder}: tensor {name!r} has shape {tuple(array.shape)}, expected {shape}"
-        )
-    return array
+def load_params(
+    folder: str | Path, config: ModelConfig, dtype: str = "float32", shard: int = 0
+) -> Params:
+    """Host (numpy) params in `dtype`; placing them on devices is the engine's job.
 
-
-def load_params(folder: str | Path, config: ModelConfig, dtype: str = "float32") -> Params:
-    """Host (numpy) params in `dtype`; placing them on devices is the engine's job."""
+    With config.shards > 1 (engine.config.tensor_parallel), the params of tensor-parallel
+    shard `shard` only: its query heads, its (replicated) kv heads and its slice of the
+    MLP, fused shard by shard, and its vocabulary rows of the head when the head is split
+    (then an "lm_head" even for tied embeddings); read as slices, so no host copy of the
+    whole model is made.
+    """
     folder = Path(folder)
     if dtype not in NP_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {dtype!r}")
+    if not 0 <= shard < config.shards:
+        raise ValueError(f"shard must be in 0..{config.shards - 1}, got {shard}")
     target = NP_DTYPES[dtype]
     reader = _TensorReader(folder)
     c = config
-    h = c.hidden_size
+    h, d = c.hidden_size, c.head_dim
+    kv_size = c.kv_size // c.kv_replicas  # the checkpoint's
+    q_rows = _part(c.q_size // c.shards, shard)
+    kv_per = c.num_kv_heads // c.shards  # kv heads of this shard, counting replicas
+    first_kv = shard * kv_per // c.kv_replicas
+    kv_rows = slice(first_kv * d, (first_kv + kv_per) * d)
+    mlp_rows = _part(c.intermediate_size // c.shards, shard)
+    every = slice(None)
 
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return _expect(reader.get(name), shape, name, folder).astype(target)
+    def get(name: str, shape: tuple[int, ...], *part: slice) -> np.ndarray:
+        return reader.get(name, shape, tuple(part)).astype(target)
 
     def layer(i: int) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
         out = {
             "attn_norm": get(p + "input_layernorm.weight", (h,)),
             "wqkv": np.concatenate(
                 [
-                    get(p + "self_attn.q_proj.weight", (c.q_size, h)),
-                    get(p + "self_attn.k_proj.weight", (c.kv_size, h)),
-                    get(p + "self_attn.v_proj.weight", (c.kv_size, h)),
+                    get(attn + "q_proj.weight", (c.q_size, h), q_rows),
+                    get(attn + "k_proj.weight", (kv_size, h), kv_rows),
+                    get(attn + "v_proj.weight", (kv_size, h), kv_rows),
                 ]
             ),
-            "wo": get(p + "self_attn.o_proj.weight", (h, c.q_size)),
+            "wo": get(attn + "o_proj.weight", (h, c.q_size), every, q_rows),
             "mlp_norm": get(p + "post_attention_layernorm.weight", (h,)),
             "w_gate_up": np.concatenate(
                 [
-                    get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
-                    get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
+                    get(mlp + "gate_proj.weight", (c.intermediate_size, h), mlp_rows),
+                    get(mlp + "up_proj.weight", (c.intermediate_size, h), mlp_rows),
                 ]
             ),
-            "w_down": get(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+            "w_down": get(mlp + "down_proj.weight", (h, c.intermediate_size), every, mlp_rows),
         }
         if c.qkv_bias:
             out["bqkv"] = np.concatenate(
                 [
-                    get(p + "self_attn.q_proj.bias", (c.q_size,)),
-                    get(p + "self_attn.k_proj.bias", (c.kv_size,)),
-                    get(p + "self_attn.v_proj.bias", (c.kv_size,)),
+                    get(attn + "q_proj.bias", (c.q_size,), q_rows),
+                    get(attn + "k_proj.bias", (kv_size,), kv_rows),
+                    get(attn + "v_proj.bias", (kv_size,), kv_rows),
                 ]
             )
         if c.o_bias:
-            out["bo"] = get(p + "self_attn.o_proj.bias", (h,))
+            out["bo"] = get(attn + "o_proj.bias", (h,))
         return out
 
     params: Params = {
@@ -136,6 +154,15 @@ def load_params(folder: str | Path, config: ModelConfig, dtype: str = "float32")
         "layers": [layer(i) for i in range(c.num_layers)],
         "final_norm": get("model.norm.weight", (h,)),
     }
-    if not c.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight", (c.vocab_size, h))
+    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    if c.head_shards > 1:
+        vocab_rows = _part(c.vocab_size // c.head_shards, shard)
+        params["lm_head"] = get(head, (c.vocab_size, h), vocab_rows)
+    elif not c.tie_word_embeddings:
+        params["lm_head"] = get(head, (c.vocab_size, h))
     return params
+
+
+def _part(size: int, shard: int) -> slice:
+    """The `shard`-th of equal parts of `size`."""
+    return slice(shard * size, (shard + 1) * size)

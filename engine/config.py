@@ -7,6 +7,7 @@ the model code cannot run faithfully is a `CheckpointError` naming the file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -44,6 +45,11 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Tensor parallelism (see `tensor_parallel`): fused q/k/v and gate/up weights hold
+    # `shards` groups of columns, one per device; num_kv_heads counts each kv head
+    # `kv_replicas` times when there are fewer kv heads than devices (vLLM's way).
+    shards: int = 1
+    kv_replicas: int = 1
 
     @property
     def q_size(self) -> int:
@@ -52,6 +58,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def head_shards(self) -> int:
+        """Devices the vocabulary head is split over (1: a copy on each)."""
+        return self.shards if self.vocab_size % self.shards == 0 else 1
 
     def rope_inv_freq(self) -> np.ndarray:
         """Inverse frequencies (head_dim // 2,) float32, computed as transformers does."""
@@ -65,6 +76,38 @@ class ModelConfig:
         if self.rope_type == "llama3":
             return _llama3_inv_freq(inv_freq, params)
         return inv_freq
+
+
+def tensor_parallel(config: ModelConfig, size: int) -> ModelConfig:
+    """`config` laid out over `size` devices: heads, kv heads and the MLP split evenly.
+
+    kv heads fewer than devices are replicated, each device keeping a copy of the
+    one its query heads read (size must then be a multiple of them). A split that
+    cannot be even is a ValueError naming the dimension.
+    """
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if config.shards != 1:
+        raise ValueError("the config is already laid out for tensor parallelism")
+    problems = [
+        f"{name} {value}"
+        for name, value in (
+            ("num_attention_heads", config.num_heads),
+            ("intermediate_size", config.intermediate_size),
+        )
+        if value % size
+    ]
+    kv = config.num_kv_heads
+    if kv % size and size % kv:
+        problems.append(f"num_key_value_heads {kv} (neither divides the other)")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the model's " + ", ".join(problems)
+        )
+    replicas = max(1, size // kv)
+    return dataclasses.replace(
+        config, shards=size, kv_replicas=replicas, num_kv_heads=kv * replicas
+    )
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, params: dict[str, float]) -> np.ndarray:

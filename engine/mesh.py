@@ -1,17 +1,30 @@
 """Device choice: a jax.sharding Mesh with a "model" axis is the only way devices are picked.
 
-Owns: the default one-device mesh and the shardings params and state are placed
-with. Everything is replicated today; tensor parallelism will give heads and
-the KV cache a PartitionSpec over "model" here without touching the model code.
+Owns: which devices an engine runs on and where each array lives on them.
+Tensor parallelism is GSPMD's: params and the KV cache are placed with a
+PartitionSpec over "model" (heads and kv heads, the MLP's intermediate axis,
+the head's vocabulary) and every jitted function is partitioned from those
+placements; the model code only keeps each device's columns of a fused weight
+together (engine.config.tensor_parallel). Everything else is replicated.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from engine.checkpoint import load_params
+from engine.config import ModelConfig
+from engine.model import matmul_layout
+
 MODEL_AXIS = "model"
+# Axis split over "model" of each layer matrix, in the (in, out) layout.
+_LAYER_AXES = {"wqkv": 1, "bqkv": 0, "wo": 0, "w_gate_up": 1, "w_down": 0}
 
 
 def default_mesh(num_devices: int = 1) -> Mesh:
@@ -22,6 +35,89 @@ def default_mesh(num_devices: int = 1) -> Mesh:
     return Mesh(np.array(devices[:num_devices]), (MODEL_AXIS,))
 
 
+def mesh_of(device_ids: Sequence[int]) -> Mesh:
+    """These devices (ids as jax.devices() numbers them), in this order, on the "model" axis."""
+    devices = {d.id: d for d in jax.devices()}
+    missing = [i for i in device_ids if i not in devices]
+    if missing or not device_ids or len(set(device_ids)) != len(device_ids):
+        raise ValueError(f"devices {list(device_ids)}: each must be one of {sorted(devices)}, once")
+    return Mesh(np.array([devices[i] for i in device_ids]), (MODEL_AXIS,))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """A full copy on every device of the mesh."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def split(mesh: Mesh, axis: int) -> NamedSharding:
+    """Axis `axis` split evenly over the "model" axis, the others whole."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * axis), MODEL_AXIS))
+
+
+def param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
+    """The sharding of every param (a pytree like params), by its name."""
+    whole = replicated(mesh)
+
+    def layer(lp: dict[str, Any]) -> dict[str, NamedSharding]:
+        return {
+            name: split(mesh, _LAYER_AXES[name]) if name in _LAYER_AXES else whole for name in lp
+        }
+
+    out: dict[str, Any] = {name: whole for name in params if name != "layers"}
+    out["layers"] = [layer(lp) for lp in params["layers"]]
+    if cfg.head_shards > 1:
+        out["lm_head"] = split(mesh, 1)
+    return out
+
+
+def place_params(folder: Any, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Any:
+    """The checkpoint's params on the mesh, each device's shard read straight from the files.
+
+    Shard by shard: the host holds one device's share of the weights at a time (and
+    the replicated ones), never the whole model.
+    """
+    if mesh.devices.size != cfg.shards:
+        raise ValueError(f"a mesh of {mesh.devices.size} devices for {cfg.shards} shards")
+    if cfg.shards == 1:
+        return jax.device_put(matmul_layout(load_params(folder, cfg, dtype)), replicated(mesh))
+    devices = list(mesh.devices.flat)
+    pieces: list[list[jax.Array]] = []
+    treedef = None
+    for shard, device in enumerate(devices):
+        host = matmul_layout(load_params(folder, cfg, dtype, shard))
+        leaves, treedef = jax.tree.flatten(host)
+        pieces.append([jax.device_put(leaf, device) for leaf in leaves])
+        del host, leaves
+    assert treedef is not None
+    shardings = jax.tree.leaves(
+        param_shardings(jax.tree.unflatten(treedef, pieces[0]), cfg, mesh),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    leaves = []
+    for i, sharding in enumerate(shardings):
+        parts = [pieces[shard][i] for shard in range(len(devices))]
+        leaves.append(_assemble(parts, sharding))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _assemble(parts: list[jax.Array], sharding: NamedSharding) -> jax.Array:
+    """One global array from each device's part (in mesh order) under `sharding`."""
+    spec = sharding.spec
+    if MODEL_AXIS not in spec:
+        shape = parts[0].shape
+    else:
+        axis = list(spec).index(MODEL_AXIS)
+        shape = tuple(n * (len(parts) if a == axis else 1) for a, n in enumerate(parts[0].shape))
+    return jax.make_array_from_single_device_arrays(shape, sharding, parts)
+
+
+def state_shardings(state: Any, mesh: Mesh) -> Any:
+    """The decode state's shardings: the cache split by kv head (axis 1), the rest copied."""
+    whole = replicated(mesh)
+    heads = split(mesh, 1)
+    out = jax.tree.map(lambda _: whole, state)
+    return dataclasses.replace(
+        out,
+        k_cache=jax.tree.map(lambda _: heads, state.k_cache),
+        v_cache=jax.tree.map(lambda _: heads, state.v_cache),
+    )

@@ -127,11 +127,13 @@ def _qkv(
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     lead = x.shape[:-1]
-    q = qkv[..., : cfg.q_size].reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(
-        *lead, cfg.num_kv_heads, cfg.head_dim
-    )
-    v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    # per tensor-parallel shard its q, k, v columns (one shard: the checkpoint's order)
+    qkv = qkv.reshape(*lead, cfg.shards, -1)
+    q_end = cfg.q_size // cfg.shards
+    k_end = q_end + cfg.kv_size // cfg.shards
+    q = qkv[..., :q_end].reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = qkv[..., q_end:k_end].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[..., k_end:].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -273,9 +275,11 @@ def _finish(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.
         out = out + lp["bo"]
     x = x + out
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = linear(h, lp["w_gate_up"])
-    gate, up = gate_up[..., : cfg.intermediate_size], gate_up[..., cfg.intermediate_size :]
-    return x + linear(jax.nn.silu(gate) * up, lp["w_down"])
+    lead = x.shape[:-1]
+    gate_up = linear(h, lp["w_gate_up"]).reshape(*lead, cfg.shards, -1)  # per shard gate, up
+    half = cfg.intermediate_size // cfg.shards
+    gated = jax.nn.silu(gate_up[..., :half]) * gate_up[..., half:]
+    return x + linear(gated.reshape(*lead, cfg.intermediate_size), lp["w_down"])
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -62,6 +62,17 @@ class ServerConfig:
     # Tool calling (vLLM's flags): the reply format read for tool_choice auto.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # Devices (see engine/mesh.py): one tensor-parallel mesh, or a prefill and a generate
+    # set (disaggregated). A device set is a count (the first N devices; generate takes the
+    # ones after prefill's) or ids: "0,1", "2-3".
+    tensor_parallel_size: int = 1
+    prefill_devices: str | None = None
+    generate_devices: str | None = None
+    # Multi-host (jax.distributed): process 0 serves HTTP, the others follow its schedule.
+    coordinator_address: str | None = None  # host:port of process 0's coordinator
+    num_processes: int = 1
+    process_id: int | None = None  # None: from the environment (TPU, LeaderWorkerSet) or 0
+    distributed_timeout: float = 300.0  # seconds to wait for every process to join
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -114,6 +125,20 @@ class ServerConfig:
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(f"enable_auto_tool_choice needs tool_call_parser ({parsers})")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if (self.prefill_devices is None) != (self.generate_devices is None):
+            raise ValueError("prefill_devices and generate_devices go together (disaggregated)")
+        if self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"process_id must be in 0..{self.num_processes - 1}, got {self.process_id}"
+            )
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("num_processes > 1 needs coordinator_address (host:port)")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
 
     @property
     def request_sample_limit(self) -> tuple[int, str]:
@@ -197,6 +222,13 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "tokenizer_workers": (int, "threads tokenizing prompts off the event loop"),
     "enable_auto_tool_choice": (_switch, "read tool calls from replies to tool_choice auto"),
     "tool_call_parser": (str, f"tool-call format of the model: {', '.join(TOOL_PARSERS)}"),
+    "tensor_parallel_size": (int, "devices the model is sharded over (heads, MLP, vocabulary)"),
+    "prefill_devices": (str, "disaggregated: prefill's devices, a count or ids (0,1 or 0-1)"),
+    "generate_devices": (str, "disaggregated: generate's devices, a count or ids (2,3 or 2-3)"),
+    "coordinator_address": (str, "multi-host: host:port of process 0 (jax.distributed)"),
+    "num_processes": (int, "multi-host: processes in the server (1: one host)"),
+    "process_id": (int, "multi-host: this process's index (default: from the environment)"),
+    "distributed_timeout": (float, "multi-host: seconds to wait for every process to join"),
 }
 
 

@@ -10,6 +10,10 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Four CPU devices, for the tensor-parallel and disaggregated tests; the others use one.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = flags.strip()
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path.home() / ".cache" / "jax-llm-server-tests")
 )
