@@ -22,12 +22,10 @@ import numpy as np
 from jax import lax
 
 from engine.checkpoint import NP_DTYPES as DTYPES
-from engine.checkpoint import load_params
-from engine.config import load_model_config
-from engine.mesh import default_mesh, replicated
+from engine.config import load_model_config, tensor_parallel
+from engine.mesh import default_mesh, mesh_of, place_params, replicated, split, state_shardings
 from engine.model import (
     logits_of,
-    matmul_layout,
     prefill_chunk_hidden,
     prefill_forward,
     prefill_hidden,
@@ -72,6 +70,9 @@ class EngineConfig:
     # Blocks of PREFIX_BLOCK prompt tokens whose KV is kept for later prompts that start
     # the same way (0: no prefix cache).
     prefix_cache_blocks: int = 0
+    # Devices: the first `tensor_parallel_size` of jax.devices(), or these ids (as many).
+    tensor_parallel_size: int = 1
+    devices: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -84,6 +85,13 @@ class EngineConfig:
             raise ValueError(f"max_prefill_len must be >= 1, got {self.max_prefill_len}")
         if self.prefix_cache_blocks < 0:
             raise ValueError(f"prefix_cache_blocks must be >= 0, got {self.prefix_cache_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
+            raise ValueError(
+                f"devices {list(self.devices)} must be tensor_parallel_size "
+                f"({self.tensor_parallel_size}) ids"
+            )
         if self.prefill_chunk is not None and self.prefill_chunk < MIN_BUCKET:
             raise ValueError(f"prefill_chunk must be >= {MIN_BUCKET}, got {self.prefill_chunk}")
         for name in ("max_prefill_batch", "max_prefill_batch_tokens"):
@@ -180,9 +188,12 @@ def resolve_shapes(
 class Engine:
     """Implements engine.types.EngineProtocol on a real JAX model."""
 
-    def __init__(self, config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config = cfg = load_model_config(config.model_path)
+        cfg = load_model_config(config.model_path)
+        if config.tensor_parallel_size > 1:
+            cfg = tensor_parallel(cfg, config.tensor_parallel_size)
+        self.model_config = cfg
         self.max_slots = config.max_slots
         self.max_model_len, self.prefill_buckets = resolve_shapes(
             config, cfg.max_position_embeddings
@@ -190,10 +201,13 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.vocab_size = cfg.vocab_size
         self.dtype = DTYPES[config.dtype]
-        self.mesh = mesh if mesh is not None else default_mesh()
+        self.mesh = (
+            mesh_of(config.devices)
+            if config.devices is not None
+            else default_mesh(config.tensor_parallel_size)
+        )
         self._sharding = replicated(self.mesh)
-        host_params = matmul_layout(load_params(config.model_path, cfg, config.dtype))
-        self.params = jax.device_put(host_params, self._sharding)
+        self.params = place_params(config.model_path, cfg, config.dtype, self.mesh)
         self._inv_freq = jax.device_put(cfg.rope_inv_freq(), self._sharding)
         eos = np.zeros((cfg.vocab_size,), bool)
         eos[[i for i in cfg.eos_token_ids if 0 <= i < cfg.vocab_size]] = True
@@ -218,7 +232,7 @@ class Engine:
             self._chunk_capacity = -(-capacity // PREFIX_BLOCK) * PREFIX_BLOCK
             self._chunk_buffers = jax.jit(
                 functools.partial(_prompt_buffers, cfg, self._chunk_capacity, self.dtype),
-                out_shardings=self._sharding,
+                out_shardings=split(self.mesh, 0),  # (kv heads, ...) per layer
             )
             self._chunk_step = jax.jit(
                 functools.partial(self._chunk_impl, cfg=cfg),
@@ -226,19 +240,20 @@ class Engine:
                 static_argnames=("all_logits", "last"),
             )
         if config.prefix_cache_blocks:
+            pool_sharding = split(self.mesh, 1)  # (blocks, kv heads, ...) per layer
             self.prefix_cache = PrefixPool(
-                cfg, config.prefix_cache_blocks, self._chunk_capacity, self.dtype, self._sharding
+                cfg, config.prefix_cache_blocks, self._chunk_capacity, self.dtype, pool_sharding
             )
+        empty = functools.partial(
+            empty_state,
+            cfg,
+            self.max_slots,
+            self.max_model_len,
+            self.dtype,
+            attention_chunk(self.max_model_len),
+        )
         self._init_state = jax.jit(
-            functools.partial(
-                empty_state,
-                cfg,
-                self.max_slots,
-                self.max_model_len,
-                self.dtype,
-                attention_chunk(self.max_model_len),
-            ),
-            out_shardings=self._sharding,
+            empty, out_shardings=state_shardings(jax.eval_shape(empty), self.mesh)
         )
         self._insert = jax.jit(insert_prefix, donate_argnums=(0,))
         self._free = jax.jit(free_slot, donate_argnums=(0,))
@@ -592,6 +607,27 @@ class Engine:
             logprob=first.logprob,
             top_ids=first.top_ids,
             top_logprobs=first.top_logprobs,
+        )
+
+    def receive(self, prefix: Prefix) -> Prefix:
+        """A prefix prefilled by another engine, moved onto this one's devices in the
+        layouts its own prefill gives (KV split by kv head, the first token copied), so
+        inserting it compiles nothing new. Waits for the copy: the caller is the transfer
+        thread, and the generate thread then never waits on one."""
+        cache = jax.device_put(prefix.cache, split(self.mesh, 0))
+        first = jax.device_put(
+            (prefix.token, prefix.logprob, prefix.top_ids, prefix.top_logprobs), self._sharding
+        )
+        jax.block_until_ready((cache, first))
+        token, logprob, top_ids, top_logprobs = first
+        return dataclasses.replace(
+            prefix,
+            token=token,
+            logprob=logprob,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
+            cache=cache,
+            last_logits=None,  # resampling happens on the prefill side
         )
 
     def insert(self, prefix: Prefix, state: DecodeState, slot: int) -> DecodeState:

@@ -61,6 +61,7 @@ class FakeDelays:
     prefill: tuple[float, float] = (0.0, 0.0)
     insert: tuple[float, float] = (0.0, 0.0)
     generate: tuple[float, float] = (0.0, 0.0)
+    receive: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass
@@ -170,6 +171,11 @@ class FakeEngine:
         self.resample_calls += 1
         base, bucket = prefix.cache
         return self._prefix(prefix.length, sampling, base, bucket, prefix.prompt_logprobs)
+
+    def receive(self, prefix: Prefix) -> Prefix:
+        """Host data needs no move: only the delay of one."""
+        self._sleep(self._delays.receive)
+        return prefix
 
     def insert(self, prefix: Prefix, state: FakeState, slot: int) -> FakeState:
         self._sleep(self._delays.insert)

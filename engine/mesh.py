@@ -121,3 +121,51 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
         k_cache=jax.tree.map(lambda _: heads, state.k_cache),
         v_cache=jax.tree.map(lambda _: heads, state.v_cache),
     )
+
+
+def parse_devices(text: str) -> int | tuple[int, ...]:
+    """A device set as flags give it: a count ("2") or ids ("0,1", "2-3", "0-1,4")."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    ids: list[int] = []
+    try:
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            first, dash, last = part.partition("-")
+            ids += range(int(first), int(last if dash else first) + 1)
+    except ValueError as exc:
+        raise ValueError(f"a device set is a count or ids like 0,1 or 2-3, got {text!r}") from exc
+    if not ids:
+        raise ValueError(f"a device set is a count or ids like 0,1 or 2-3, got {text!r}")
+    return tuple(ids)
+
+
+def device_sets(
+    prefill: str, generate: str, available: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The prefill and generate device ids: counts take the devices in order (generate's
+    after prefill's); ids must exist, and the two sets must not overlap."""
+    sets: list[tuple[int, ...]] = []
+    start = 0
+    for name, text in (("prefill_devices", prefill), ("generate_devices", generate)):
+        spec = parse_devices(text)
+        if isinstance(spec, int):
+            if spec < 1 or start + spec > len(available):
+                raise ValueError(
+                    f"{name} {spec}: only {len(available) - start} of {len(available)} "
+                    "devices are left for it"
+                )
+            spec = tuple(available[start : start + spec])
+        missing = sorted(set(spec) - set(available))
+        if missing or len(set(spec)) != len(spec):
+            raise ValueError(
+                f"{name} {list(spec)}: each must be one of the devices {list(available)}, once"
+            )
+        sets.append(spec)
+        start += len(spec)
+    overlap = sorted(set(sets[0]) & set(sets[1]))
+    if overlap:
+        raise ValueError(f"prefill_devices and generate_devices share devices {overlap}")
+    return sets[0], sets[1]

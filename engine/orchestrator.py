@@ -5,11 +5,13 @@ thread per stage (engine/stages/): prefill -> generate -> detokenize, with
 bounded queues between them. Owns: the registry of open requests, the
 admission queue and the lifecycle (running, draining, stopped, dead).
 
-Disaggregated mode (prefill and generate on different devices, a later
-issue) adds a transfer stage between prefill and generate: it becomes the
-prefill stage's PrefixSink, moves each Prefix's KV to the generate devices
-and forwards the PrefillDone to the generate inbox (and its backlog becomes a
-queue-depth gauge). With shared devices there is no transfer stage.
+Disaggregated mode (`prefill_engine` given: prefill and generate engines on
+their own devices, each with its own params) adds a transfer stage between
+prefill and generate: it is the prefill stage's PrefixSink, moves each
+Prefix's KV to the generate devices and forwards the PrefillDone to the
+generate inbox (its backlog is a queue-depth gauge). A long prompt's chunks
+then do not wait for decode steps: the devices are not shared. With shared
+devices (the default) there is no transfer stage.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from engine.stages.detokenize import DetokenizeStage, TextStreamFactory
 from engine.stages.faults import Fault, FaultPlan
 from engine.stages.generate import GenerateStage
 from engine.stages.messages import CancelJob, DetokenizeMessage, GenerateMessage, Job
-from engine.stages.prefill import PrefillStage
+from engine.stages.prefill import PrefillStage, PrefixSink
 from engine.stages.queues import AdmissionQueue, Credits, StepClock
+from engine.stages.transfer import TransferStage
 from engine.types import CacheStats, EngineProtocol
 
 __all__ = [
@@ -82,7 +85,7 @@ class OrchestratorStats:
     """A snapshot of gauges; each field is read without stopping the stages."""
 
     queued_requests: int  # admitted, waiting for prefill
-    prefill_queue_depth: int  # prefilled samples waiting for a slot
+    prefill_queue_depth: int  # prefilled samples waiting for a slot (transfer included)
     detokenize_queue_depth: int  # messages the detokenize stage has not read yet
     running_requests: int  # admitted and past the admission queue, not yet ended
     slots_in_use: int
@@ -91,6 +94,7 @@ class OrchestratorStats:
     draining: bool
     generate_steps: int = 0
     cache: CacheStats = CacheStats()
+    transfer_queue_depth: int = 0  # disaggregated: prefilled samples waiting to be moved
 
 
 class Orchestrator:
@@ -99,10 +103,13 @@ class Orchestrator:
         engine: EngineProtocol,
         text_streams: TextStreamFactory,
         config: OrchestratorConfig | None = None,
+        prefill_engine: EngineProtocol | None = None,
     ):
-        """`text_streams` makes each sample's text path (engine.stages.detokenize.text_streams)."""
+        """`text_streams` makes each sample's text path (engine.stages.detokenize.text_streams);
+        `prefill_engine`, when given, prefills on its own devices and `engine` only generates."""
         self.config = config or OrchestratorConfig()
         self._engine = engine
+        self._prefill_engine = engine if prefill_engine is None else prefill_engine
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when a job leaves the registry
         self._jobs: dict[str, Job] = {}
@@ -128,15 +135,22 @@ class Orchestrator:
             self.config.detokenize_queue_size
         )
         clock = StepClock()
+        self._transfer: TransferStage | None = None
+        sink: PrefixSink = self._generate_inbox
+        if prefill_engine is not None:
+            self._transfer = TransferStage(
+                engine, self._generate_inbox, self._credits, self._stop, Fault("transfer", plan)
+            )
+            sink = self._transfer
         self._prefill = PrefillStage(
-            engine,
+            self._prefill_engine,
             self._admission,
-            self._generate_inbox,
+            sink,
             self._credits,
             self._stop,
             reject=self._reject,
             fault=Fault("prefill", plan),
-            clock=clock,
+            clock=clock if prefill_engine is None else StepClock(),  # never waits: own devices
         )
         self._generate = GenerateStage(
             engine,
@@ -163,13 +177,13 @@ class Orchestrator:
             if self._started:
                 raise RuntimeError("the orchestrator was already started")
             self._started = True
-        for name, stage in (
-            ("prefill", self._prefill),
-            ("generate", self._generate),
-            ("detokenize", self._detokenize),
-        ):
+        stages = [("prefill", self._prefill.run)]
+        if self._transfer is not None:
+            stages.append(("transfer", self._transfer.run))
+        stages += [("generate", self._generate.run), ("detokenize", self._detokenize.run)]
+        for name, run in stages:
             thread = threading.Thread(
-                target=self._run_stage, args=(name, stage.run), name=f"orchestrator-{name}"
+                target=self._run_stage, args=(name, run), name=f"orchestrator-{name}"
             )
             thread.daemon = True
             self._threads.append(thread)
@@ -291,7 +305,8 @@ class Orchestrator:
             alive=self.alive,
             draining=self._draining,
             generate_steps=self._generate.steps,
-            cache=self._engine.cache_stats(),
+            cache=self._prefill_engine.cache_stats(),  # the prefix cache is prefill's
+            transfer_queue_depth=0 if self._transfer is None else self._transfer.depth,
         )
 
     # internals

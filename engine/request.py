@@ -99,6 +99,8 @@ class RequestTimings:
     queued: float
     prefill_start: float | None = None
     prefill_end: float | None = None
+    transfer_start: float | None = None  # disaggregated mode: KV moved to generate devices
+    transfer_end: float | None = None
     inserted: float | None = None  # first sample got a slot
     first_token: float | None = None
     finished: float | None = None

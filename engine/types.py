@@ -297,6 +297,10 @@ class EngineProtocol(Protocol):
         """Put a prefix into a slot; the state is donated."""
         ...
 
+    def receive(self, prefix: Prefix) -> Prefix:
+        """A prefix another engine prefilled (disaggregated mode), on this engine's devices."""
+        ...
+
     def decode_bucket(self, busy_rows: int) -> int:
         """The smallest batch `generate` is compiled for that covers slots 0..busy_rows-1."""
         ...

@@ -6,8 +6,10 @@ every shape); the HTTP server answers the probes meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 from server.backend import Backend
 from server.config import ServerConfig
@@ -37,7 +39,10 @@ def model_path(config: ServerConfig) -> Path:
 
 def load_backend(config: ServerConfig) -> Backend:
     """Load, warm up and start; raises on any failure (the runtime reports it)."""
+    import jax
+
     from engine.engine import Engine, EngineConfig
+    from engine.mesh import device_sets
     from engine.orchestrator import Orchestrator, OrchestratorConfig
     from engine.stages.detokenize import text_streams
     from tokenization import Tokenizer
@@ -45,18 +50,34 @@ def load_backend(config: ServerConfig) -> Backend:
     path = model_path(config)
     template = config.chat_template.read_text(encoding="utf-8") if config.chat_template else None
     tokenizer = Tokenizer.from_folder(path, chat_template=template)
-    engine = Engine(
-        EngineConfig(
-            model_path=path,
-            dtype=config.dtype,
-            max_slots=config.max_slots,
-            max_model_len=config.max_model_len,
-            prefill_buckets=_fit_buckets(config.prefill_buckets, config.max_model_len),
-            max_prefill_batch=config.max_prefill_batch,
-            prefill_chunk=config.prefill_chunk or None,
-            prefix_cache_blocks=config.prefix_cache_blocks,
-        )
+    shapes = EngineConfig(
+        model_path=path,
+        dtype=config.dtype,
+        max_slots=config.max_slots,
+        max_model_len=config.max_model_len,
+        prefill_buckets=_fit_buckets(config.prefill_buckets, config.max_model_len),
+        max_prefill_batch=config.max_prefill_batch,
+        prefill_chunk=config.prefill_chunk or None,
+        prefix_cache_blocks=config.prefix_cache_blocks,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
+    prefill_engine = None
+    if config.prefill_devices is not None and config.generate_devices is not None:
+        prefill_ids, generate_ids = device_sets(
+            config.prefill_devices, config.generate_devices, [d.id for d in jax.devices()]
+        )
+        for name, ids in (("prefill_devices", prefill_ids), ("generate_devices", generate_ids)):
+            if config.tensor_parallel_size not in (1, len(ids)):
+                raise ValueError(
+                    f"{name} {list(ids)}: each set is one tensor-parallel mesh of its "
+                    f"devices, not of tensor_parallel_size {config.tensor_parallel_size}"
+                )
+        prefill_engine = Engine(_on(shapes, prefill_ids))
+        engine = Engine(_on(dataclasses.replace(shapes, prefix_cache_blocks=0), generate_ids))
+        prefill_engine.warmup()
+        logger.info("disaggregated: prefill on %s, generate on %s", prefill_ids, generate_ids)
+    else:
+        engine = Engine(shapes)
     engine.warmup()
     eos = tokenizer.eos_token_ids | engine.eos_token_ids
     orchestrator = Orchestrator(
@@ -66,10 +87,16 @@ def load_backend(config: ServerConfig) -> Backend:
             max_queued_samples=config.max_queued_samples,
             fault_injection=config.fault_injection,
         ),
+        prefill_engine=prefill_engine,
     )
     orchestrator.start()
     limits = engine.limits
     return Backend(tokenizer=tokenizer, orchestrator=orchestrator, limits=limits)
+
+
+def _on(shapes: Any, ids: tuple[int, ...]) -> Any:
+    """The engine config `shapes` on the devices `ids`, one tensor-parallel mesh of them."""
+    return dataclasses.replace(shapes, devices=ids, tensor_parallel_size=len(ids))
 
 
 def _fit_buckets(

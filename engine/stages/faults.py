@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STAGES = ("prefill", "generate", "detokenize")
+STAGES = ("prefill", "transfer", "generate", "detokenize")
 
 
 class InjectedFault(RuntimeError):
