@@ -9,13 +9,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.manifests import DEPLOY, OVERLAYS, Manifest, kustomize
+from tests.deploy.manifests import DEPLOY, LWS_OVERLAYS, OVERLAYS, Manifest, kustomize
 
 
 @pytest.fixture(scope="session")
 def rendered() -> dict[str, list[Manifest]]:
-    """Every overlay, rendered: overlay name -> objects."""
-    return {overlay: kustomize(DEPLOY / "overlays" / overlay) for overlay in OVERLAYS}
+    """Every overlay (Deployment and LeaderWorkerSet ones), rendered: overlay name -> objects."""
+    overlays = (*OVERLAYS, *LWS_OVERLAYS)
+    return {overlay: kustomize(DEPLOY / "overlays" / overlay) for overlay in overlays}
+
+
+@pytest.fixture(scope="session")
+def gateway() -> list[Manifest]:
+    """deploy/gateway rendered: the gpu overlay as an InferencePool behind a Gateway route."""
+    return kustomize(DEPLOY / "gateway")
 
 
 @pytest.fixture(scope="session")

@@ -21,17 +21,16 @@ from kubernetes_validate.utils import ValidationError
 from server.config import ENV_PREFIX, ServerConfig, parse_config
 from tests.deploy.manifests import (
     DEPLOY,
+    K8S_VERSIONS,
     OVERLAYS,
     Manifest,
-    check_server_variable,
+    check_server_variables,
     find,
     server_cli_flags,
     server_container,
     server_environ,
 )
 
-# Oldest Kubernetes still served by the big clouds, and the newest the validator knows.
-K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 EXPECTED_KINDS = {
     "ConfigMap",
     "Deployment",
@@ -44,7 +43,14 @@ EXPECTED_KINDS = {
 }
 INGRESS_PREFIX = "nginx.ingress.kubernetes.io/"
 # Dockerfile build argument JAX_FLAVOR value each overlay's image must be built with.
-IMAGE_FLAVOUR = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+IMAGE_FLAVOUR = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu", "disaggregated": "cuda"}
+# The accelerator resource each overlay's pod asks for (None: CPU only).
+ACCELERATOR = {
+    "cpu": None,
+    "gpu": "nvidia.com/gpu",
+    "tpu": "google.com/tpu",
+    "disaggregated": "nvidia.com/gpu",
+}
 
 
 def _validate_all(objects: list[Manifest]) -> None:
@@ -110,8 +116,7 @@ def test_every_server_variable_is_a_real_flag(
     environ = server_environ(rendered[overlay])
     server_vars = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
     assert "LLM_SERVER_MODEL" in server_vars
-    for name, value in server_vars.items():
-        check_server_variable(name, value)
+    check_server_variables(server_vars)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -269,9 +274,9 @@ def test_accelerator_resources_and_image_flavour(
     assert image.endswith("-" + IMAGE_FLAVOUR[overlay]), image
     assert "memory" in resources["limits"] and "cpu" in resources["requests"]
     accelerators = {"nvidia.com/gpu", "google.com/tpu"} & set(resources["limits"])
-    if overlay == "cpu":
+    if ACCELERATOR[overlay] is None:
         assert not accelerators
-    elif overlay == "gpu":
+    elif ACCELERATOR[overlay] == "nvidia.com/gpu":
         assert accelerators == {"nvidia.com/gpu"}
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
     else:
