@@ -34,6 +34,7 @@ from engine.prefix_cache import PREFIX_BLOCK, PrefixPool
 from engine.sampling import SamplingArrays, host_arrays, sample, top_logprobs
 from engine.state import DecodeState, decode_step, empty_state, free_slot, insert_prefix
 from engine.types import (
+    MAX_LOGPROBS,
     CacheStats,
     EngineLimits,
     Prefix,
@@ -672,42 +673,87 @@ class Engine:
         self._check_slot(slot)
         return self._free(state, np.int32(slot))
 
-    def warmup(self) -> None:
+    def warmup(self, prefill: bool = True, generate: bool = True) -> None:
         """Compile every shape serving can meet: each bucket (both variants), insert, and the
-        step at each decode bucket."""
+        step at each decode bucket.
+
+        In disaggregated mode each engine warms its own part: generate=False compiles no
+        decode state, insert or step; prefill=False no prefill, but inserting a prefix
+        of every cache shape as the transfer stage delivers them (through receive).
+        """
         sampling = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=0, logprobs=1)
+        if prefill:
+            prefixes = self._warm_prefill(sampling)
+        else:
+            prefixes = [self.receive(prefix) for prefix in self._blank_prefixes(sampling)]
+        if not generate:
+            jax.block_until_ready([prefix.token for prefix in prefixes])
+            return
         state = self.init_state()
-        for bucket in self.prefill_buckets:
-            length = min(bucket, self.max_prompt_len)
-            self.prefill([0] * length, sampling, prompt_logprobs=True)
-            prefix = self.prefill([0] * length, sampling)
+        for prefix in prefixes:
             state = self.insert(prefix, state, 0)
-        prefix = self.resample(prefix, sampling)
-        for rows, bucket in self.prefill_batch_shapes:
-            length = min(bucket, self.max_prompt_len)
-            self.prefill_batch([([0] * length, sampling)] * rows)
-        if self.prefill_chunk is not None or self.prefix_cache is not None:
-            state = self._warm_pieces(sampling, state)
         for batch in self.decode_buckets:
             state, out = self.generate(state, batch)
         state = self.free(state, 0)
         jax.block_until_ready((state, out))
 
-    def _warm_pieces(self, sampling: SamplingParams, state: DecodeState) -> DecodeState:
+    def _warm_prefill(self, sampling: SamplingParams) -> list[Prefix]:
+        """Compile every prefill shape; one prefix of each cache shape, to warm insert with."""
+        prefixes = []
+        for bucket in self.prefill_buckets:
+            length = min(bucket, self.max_prompt_len)
+            self.prefill([0] * length, sampling, prompt_logprobs=True)
+            prefixes.append(self.prefill([0] * length, sampling))
+        self.resample(prefixes[-1], sampling)
+        for rows, bucket in self.prefill_batch_shapes:
+            length = min(bucket, self.max_prompt_len)
+            self.prefill_batch([([0] * length, sampling)] * rows)
+        if self.prefill_chunk is not None or self.prefix_cache is not None:
+            prefixes += self._warm_pieces(sampling)
+        return prefixes
+
+    def _blank_prefixes(self, sampling: SamplingParams) -> list[Prefix]:
+        """Host prefixes of every cache shape this engine's prefill gives, zeros throughout."""
+        cfg = self.model_config
+        lengths = sorted({min(b, self.max_prompt_len) for b in self.prefill_buckets})
+        if self._piece_steps:
+            lengths.append(self._chunk_capacity)
+        kv, dim = cfg.num_kv_heads, cfg.head_dim
+        out = []
+        for length in lengths:
+            keys = tuple(np.zeros((kv, dim, length), self.dtype) for _ in range(cfg.num_layers))
+            values = tuple(np.zeros((kv, length, dim), self.dtype) for _ in range(cfg.num_layers))
+            alternatives = np.zeros((MAX_LOGPROBS,), np.float32)
+            out.append(
+                Prefix(
+                    length=1,
+                    sampling=sampling,
+                    token=np.int32(0),
+                    logprob=np.float32(0.0),
+                    top_ids=np.zeros((MAX_LOGPROBS,), np.int32),
+                    top_logprobs=alternatives,
+                    cache=(keys, values),
+                    last_logits=None,
+                )
+            )
+        return out
+
+    def _warm_pieces(self, sampling: SamplingParams) -> list[Prefix]:
         """Compile the piece steps (every last-piece size, a middle chunk, the logprob
         shapes), and the prefix pool's load and its store from every cache shape, without
         putting anything in the pool."""
         pool, self.prefix_cache = self.prefix_cache, None
+        prefixes = []
         try:
             if self.prefill_chunk is not None:
                 length = min(self.prefill_buckets[-1] + self._piece + 1, self.max_prompt_len)
                 self.prefill([0] * length, sampling, prompt_logprobs=True)
+                prefixes.append(self.prefill([0] * length, sampling))  # middle chunks too
             for size in self.piece_sizes:
                 start = max(0, min(self._piece, self.max_prompt_len - size))
                 length = min(start + size, self.max_prompt_len)
                 loaded = (start, self._chunk_buffers())
-                prefix = self._prefill_pieces([0] * length, sampling, False, None, loaded)
-                state = self.insert(prefix, state, 0)
+                prefixes.append(self._prefill_pieces([0] * length, sampling, False, None, loaded))
             if pool is not None:
                 pool.warm(self._chunk_buffers())
                 for bucket in self.prefill_buckets:
@@ -715,7 +761,7 @@ class Engine:
                     pool.warm(self._prefill_bucket(ids, sampling, False).cache)
         finally:
             self.prefix_cache = pool
-        return state
+        return prefixes
 
     def _checked_ids(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = np.asarray(token_ids, np.int64)

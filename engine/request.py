@@ -117,6 +117,26 @@ class RequestTimings:
     def e2e_s(self) -> float | None:
         return None if self.finished is None else self.finished - self.queued
 
+    def phases(self) -> dict[str, float]:
+        """Where the request's time went, in seconds, for the phases it has passed through:
+        queue, prefill, transfer (disaggregated mode only), slot (prefilled, waiting for a
+        slot), decode (first token to the last), and ttft and total from being queued.
+        DistServe's lifetime events; the Server-Timing header and /metrics read them."""
+        spans = {
+            "queue": (self.queued, self.prefill_start),
+            "prefill": (self.prefill_start, self.prefill_end),
+            "transfer": (self.transfer_start, self.transfer_end),
+            "slot": (self.transfer_end or self.prefill_end, self.inserted),
+            "ttft": (self.queued, self.first_token),
+            "decode": (self.first_token, self.finished),
+            "total": (self.queued, self.finished),
+        }
+        return {
+            name: max(0.0, end - start)
+            for name, (start, end) in spans.items()
+            if start is not None and end is not None
+        }
+
 
 @dataclass(frozen=True)
 class _Closed:

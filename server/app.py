@@ -38,6 +38,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.streaming import sse_response
+from server.timing import server_timing
 
 T = TypeVar("T")
 
@@ -150,7 +151,8 @@ def _add_routes(
                 ping_interval=config.sse_ping_interval,
                 cleanup=generation.close,  # also when the client left before the first byte
             )
-        return JSONResponse(await until_disconnect(request, generation.complete(shaper)))
+        body = await until_disconnect(request, generation.complete(shaper))
+        return JSONResponse(body, headers={"Server-Timing": server_timing(generation.timings)})
 
     async def planned(
         planner: Callable[..., GenerationPlan], body: Any, id_prefix: str

@@ -26,6 +26,7 @@ from engine.request import (
     RequestFailed,
     RequestRejected,
     RequestStream,
+    RequestTimings,
     Unavailable,
 )
 from engine.types import PromptTooLongError
@@ -35,6 +36,7 @@ from server.lifecycle import Runtime, State
 from server.metrics import EngineMetrics
 from server.params import GenerationPlan
 from server.streaming import DONE, encode_event, error_event
+from server.timing import phases_ms
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +241,11 @@ class Generation:
             await self.close()
         return shaper.response(self.completion_tokens)
 
+    @property
+    def timings(self) -> list[RequestTimings]:
+        """Each prompt's lifetime events (complete once the generation has ended)."""
+        return [stream.timings for stream in self._streams]
+
     async def stream(self, shaper: Shaper) -> AsyncIterator[bytes]:
         """SSE events: chunks, the usage chunk when asked, then [DONE]; errors as an event."""
         try:
@@ -249,7 +256,8 @@ class Generation:
                 if piece is not None:
                     yield encode_event(piece)
             if self.plan.include_usage:
-                yield encode_event(shaper.usage_chunk(self.completion_tokens))
+                usage = shaper.usage_chunk(self.completion_tokens)
+                yield encode_event(usage | {"server_timing": phases_ms(self.timings)})
         except APIError as error:
             yield error_event(error)
         except Exception:  # a formatting bug: the client still gets an error and [DONE]

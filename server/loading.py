@@ -74,11 +74,12 @@ def load_backend(config: ServerConfig) -> Backend:
                 )
         prefill_engine = Engine(_on(shapes, prefill_ids))
         engine = Engine(_on(dataclasses.replace(shapes, prefix_cache_blocks=0), generate_ids))
-        prefill_engine.warmup()
+        prefill_engine.warmup(generate=False)
+        engine.warmup(prefill=False)
         logger.info("disaggregated: prefill on %s, generate on %s", prefill_ids, generate_ids)
     else:
         engine = Engine(shapes)
-    engine.warmup()
+        engine.warmup()
     eos = tokenizer.eos_token_ids | engine.eos_token_ids
     orchestrator = Orchestrator(
         engine,

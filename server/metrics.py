@@ -121,6 +121,17 @@ class EngineMetrics:
         self.prefill = histogram(
             "llm_request_prefill_time_seconds", "Prefill start to end", LATENCY_BUCKETS
         )
+        self.transfer = histogram(
+            "llm_request_transfer_time_seconds",
+            "Disaggregated mode: KV moved from prefill to generate devices",
+            LATENCY_BUCKETS,
+        )
+        self.slot_wait = histogram(
+            "llm_request_slot_wait_time_seconds", "Prefilled to inserted in a slot", LATENCY_BUCKETS
+        )
+        self.decode = histogram(
+            "llm_request_decode_time_seconds", "First token to finished", LATENCY_BUCKETS
+        )
         self.prompt_tokens = Counter(
             "llm_prompt_tokens", "Prompt tokens processed", labels, registry=registry
         )
@@ -150,6 +161,10 @@ class EngineMetrics:
             self.prefill.labels(name).observe(timings.prefill_end - timings.prefill_start)
         if timings.ttft_s is not None:
             self.ttft.labels(name).observe(timings.ttft_s)
+        phases = timings.phases()
+        for phase, histogram in (("transfer", self.transfer), ("slot", self.slot_wait)):
+            if phase in phases:
+                histogram.labels(name).observe(phases[phase])
 
     def observe_inter_token(self, seconds: float) -> None:
         """The gap between two tokens of one sample, as each arrives."""
@@ -159,6 +174,9 @@ class EngineMetrics:
         """A prompt's stream ended (all its samples)."""
         if timings.e2e_s is not None:
             self.e2e.labels(self.model_name).observe(timings.e2e_s)
+        decode = timings.phases().get("decode")
+        if decode is not None:
+            self.decode.labels(self.model_name).observe(decode)
 
     def observe_sample(self, finish_reason: str, completion_tokens: int) -> None:
         self.finished.labels(self.model_name, finish_reason).inc()

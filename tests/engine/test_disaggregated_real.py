@@ -78,3 +78,40 @@ def test_prefill_and_generate_on_their_own_devices_give_the_interleaved_outputs(
     assert all(cache.sharding.device_set == generate_devices for cache in moved)
     assert {d.id for d in prefill.params["embed"].sharding.device_set} == {0, 1}
     assert {d.id for d in generate.params["embed"].sharding.device_set} == {2, 3}
+
+
+def test_each_engine_warms_its_own_part_and_serving_compiles_nothing(tiny_checkpoint_of):
+    """Prefill warms prefill only, generate inserting what the transfer delivers; then every
+    path (bucket, batch, chunks, a prefix-cache hit) compiles nothing on either side."""
+    from tests.engine.test_recompile import TRACE_EVENTS
+
+    folder = tiny_checkpoint_of("llama")
+    shapes = {"max_slots": 2, "max_model_len": 128, "prefill_buckets": (16, 32)}
+    shapes |= {"prefill_chunk": 32, "prefix_cache_blocks": 8}
+    prefill = Engine(EngineConfig(folder, tensor_parallel_size=2, devices=(0, 1), **shapes))
+    generate = Engine(EngineConfig(folder, tensor_parallel_size=2, devices=(2, 3), **shapes))
+    prefill.warmup(generate=False)
+    generate.warmup(prefill=False)
+    events: list[str] = []
+    recording = [True]
+
+    def listener(event: str, duration: float, **_: object) -> None:
+        if recording[0] and event in TRACE_EVENTS:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        sampling = SamplingParams(temperature=0.7, seed=1)
+        prompts = [list(range(1, n)) for n in (3, 20, 33, 70, 100)] + [list(range(1, 60))]
+        prefixes = [prefill.prefill(p, sampling) for p in prompts]  # the last one: a hit
+        prefixes += prefill.prefill_batch([([1, 2, 3], sampling), ([4, 5], sampling)])
+        state = generate.init_state()
+        for i, prefix in enumerate(prefixes):
+            slot = i % 2
+            state = generate.insert(generate.receive(prefix), generate.free(state, slot), slot)
+            state, out = generate.generate(state, generate.decode_bucket(2))
+        jax.block_until_ready(out.tokens)
+    finally:
+        recording[0] = False
+    assert prefill.cache_stats().prefix_hits > 0
+    assert events == []
