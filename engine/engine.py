@@ -31,8 +31,15 @@ from engine.model import (
     prefill_hidden,
 )
 from engine.prefix_cache import PREFIX_BLOCK, PrefixPool
-from engine.sampling import SamplingArrays, host_arrays, sample, top_logprobs
-from engine.state import DecodeState, decode_step, empty_state, free_slot, insert_prefix
+from engine.sampling import SamplingArrays, host_arrays, mask_words, sample, top_logprobs
+from engine.state import (
+    DecodeState,
+    decode_step,
+    empty_state,
+    free_slot,
+    insert_prefix,
+    write_masks,
+)
 from engine.types import (
     MAX_LOGPROBS,
     CacheStats,
@@ -258,6 +265,7 @@ class Engine:
         )
         self._insert = jax.jit(insert_prefix, donate_argnums=(0,))
         self._free = jax.jit(free_slot, donate_argnums=(0,))
+        self._set_masks = jax.jit(write_masks, donate_argnums=(0,))
         self.decode_buckets = decode_buckets(self.max_slots)
         self._generate = jax.jit(
             functools.partial(decode_step, cfg=cfg, max_len=self.max_model_len),
@@ -673,6 +681,16 @@ class Engine:
         self._check_slot(slot)
         return self._free(state, np.int32(slot))
 
+    def set_masks(self, state: DecodeState, slots: Any, allowed: Any) -> DecodeState:
+        """Structured outputs: each constrained slot's mask for its next token (see
+        EngineProtocol.set_masks); one fixed shape, compiled by warm-up."""
+        words = state.sampling.allowed.shape[1]
+        slots = np.asarray(slots, np.int32)
+        allowed = np.asarray(allowed, np.int32)
+        if slots.shape != (self.max_slots,) or allowed.shape != (self.max_slots, words):
+            raise ValueError(f"set_masks takes ({self.max_slots},) slots, masks of {words} words")
+        return self._set_masks(state, slots, allowed)
+
     def warmup(self, prefill: bool = True, generate: bool = True) -> None:
         """Compile every shape serving can meet: each bucket (both variants), insert, and the
         step at each decode bucket.
@@ -694,6 +712,9 @@ class Engine:
             state = self.insert(prefix, state, 0)
         for batch in self.decode_buckets:
             state, out = self.generate(state, batch)
+        nowhere = np.full((self.max_slots,), self.max_slots, np.int32)  # padding rows only
+        every_token = np.full((self.max_slots, mask_words(self.vocab_size)), -1, np.int32)
+        state = self.set_masks(state, nowhere, every_token)
         state = self.free(state, 0)
         jax.block_until_ready((state, out))
 

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -227,6 +228,10 @@ class FakeEngine:
 
     def free(self, state: FakeState, slot: int) -> FakeState:
         state.active[slot] = False
+        return state
+
+    def set_masks(self, state: FakeState, slots: Any, allowed: Any) -> FakeState:
+        """Masks change nothing here: fake tokens follow their formula, not a grammar."""
         return state
 
     def _prefix(

@@ -160,6 +160,7 @@ class Orchestrator:
             self._stop,
             fault=Fault("generate", plan),
             clock=clock,
+            reject=self._reject,
         )
         self._detokenize = DetokenizeStage(
             self._detokenize_inbox,
@@ -332,7 +333,8 @@ class Orchestrator:
         job.stream.close()
 
     def _reject(self, job: Job, error: Exception) -> None:
-        """One request cannot be served (prefill thread); the others go on."""
+        """One request cannot be served (prefill thread; generate thread when its grammar
+        refuses a token); the others go on."""
         job.cancelled.set()
         with self._lock:
             if self._jobs.get(job.request_id) is job:

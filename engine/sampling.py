@@ -56,6 +56,18 @@ def token_bitmask(allowed: Sequence[int] | None, vocab_size: int) -> np.ndarray:
     return np.ascontiguousarray(packed).view("<i4")[:, 0].astype(np.int32)
 
 
+def allowed_words(sampling: SamplingParams, vocab_size: int) -> np.ndarray:
+    """The bitmask of a request's first token: allowed_token_ids and, with structured
+    outputs, the grammar's first mask, both at once."""
+    words = token_bitmask(sampling.allowed_token_ids, vocab_size)
+    if sampling.constraint is not None:
+        first = np.asarray(sampling.constraint.initial_mask(), np.int32)
+        if first.shape != words.shape:
+            raise ValueError(f"a constraint mask must be {words.shape} words, got {first.shape}")
+        words = words & first
+    return words
+
+
 class Sampled(NamedTuple):
     """One token per row; the logprob fields are filled only when some row wants them."""
 
@@ -91,8 +103,10 @@ def host_arrays(sampling: SamplingParams, vocab_size: int) -> SamplingArrays:
         "logprobs": np.bool_(sampling.logprobs is not None),
         "bias_ids": bias_ids,
         "bias_values": bias_values,
-        "allowed": token_bitmask(sampling.allowed_token_ids, vocab_size),
-        "masked": np.bool_(sampling.allowed_token_ids is not None),
+        "allowed": allowed_words(sampling, vocab_size),
+        "masked": np.bool_(
+            sampling.allowed_token_ids is not None or sampling.constraint is not None
+        ),
     }
     return SamplingArrays(**host)
 

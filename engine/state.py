@@ -16,6 +16,7 @@ engine.model._attend_live) without slicing a buffer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -135,6 +136,16 @@ def insert_prefix(
         sampling=jax.tree.map(lambda a, s: a.at[slot].set(s), state.sampling, sampling),
         active=state.active.at[slot].set(True),
     )
+
+
+def write_masks(state: DecodeState, slots: jax.Array, allowed: jax.Array) -> DecodeState:
+    """Rows `slots` (padding: out of range, dropped) of the allowed-token bitmask set to
+    `allowed`, and marked as masked: a constrained slot's mask for its next token."""
+    sampling = state.sampling._replace(
+        allowed=state.sampling.allowed.at[slots].set(allowed, mode="drop"),
+        masked=state.sampling.masked.at[slots].set(True, mode="drop"),
+    )
+    return dataclasses.replace(state, sampling=sampling)
 
 
 def free_slot(state: DecodeState, slot: jax.Array) -> DecodeState:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 MAX_LOGPROBS = 20
@@ -90,6 +90,35 @@ class EngineLimits:
         return max_tokens
 
 
+class ConstraintMatcher(Protocol):
+    """One sample's place in its constraint (tokenization.grammar.GrammarMatcher).
+
+    Driven by one thread at a time: the generate stage's grammar worker.
+    """
+
+    def advance(self, token_id: int) -> bool:
+        """Consume a sampled token; True when the output is complete. ValueError when the
+        constraint rejects the token."""
+        ...
+
+    def fill_mask(self, out: Any) -> None:
+        """The allowed next tokens into `out`, int32 words of the engine's bitmask layout."""
+        ...
+
+
+class TokenConstraint(Protocol):
+    """A compiled structured-output constraint (tokenization.grammar.CompiledGrammar), shared
+    and never changed by the samples that follow it; opaque to the engine but for these."""
+
+    def initial_mask(self) -> Any:
+        """int32 words: the tokens allowed first (the one prefill samples)."""
+        ...
+
+    def matcher(self) -> ConstraintMatcher:
+        """A fresh matcher at the start, for one sample."""
+        ...
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling, applied on device for each slot.
@@ -105,6 +134,10 @@ class SamplingParams:
     of every sampled position; `allowed_token_ids` (None: every token) restricts
     sampling to those ids. Both shape only what is sampled: logprobs stay those
     of the model's raw logits (vLLM's default logprobs mode).
+    `constraint` (structured outputs) restricts every sampled token to those its
+    grammar allows next, together with allowed_token_ids; the sample ends with
+    "stop" as soon as the grammar is complete, whatever ignore_eos or min_tokens say
+    (nothing else could follow).
     """
 
     temperature: float = 1.0
@@ -117,6 +150,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    constraint: TokenConstraint | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         """Every value must be one the device arrays hold exactly (float32, int32, 64-bit key)."""
@@ -312,4 +346,10 @@ class EngineProtocol(Protocol):
 
     def free(self, state: Any, slot: int) -> Any:
         """Mark a slot idle so it stops advancing."""
+        ...
+
+    def set_masks(self, state: Any, slots: Any, allowed: Any) -> Any:
+        """Write allowed-token bitmasks (structured outputs) into slots' sampling rows before
+        a step: `slots` (max_slots,) int32, padding max_slots (dropped); `allowed`
+        (max_slots, mask words) int32. The state is donated; one shape, so one compile."""
         ...

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from engine.orchestrator import OrchestratorStats
 from engine.request import ActiveRequest, RequestStream
 from engine.types import EngineLimits
+from tokenization.grammar import GrammarCompiler
 
 
 class TokenizerClient(Protocol):
@@ -31,6 +32,10 @@ class TokenizerClient(Protocol):
     def token_text(self, token_id: int) -> str: ...
 
     def token_bytes(self, token_id: int) -> bytes: ...
+
+    def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
+        """Structured outputs' compiler for this tokenizer and the model's vocabulary."""
+        ...
 
     def apply_chat_template(
         self,

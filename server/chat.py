@@ -5,7 +5,9 @@ logprobs follow OpenAI's chat shape: content[] of token, logprob, bytes and
 top_logprobs. The prompt ends with the template's generation prompt unless
 add_generation_prompt is false, or with the last assistant message left open for the
 model to continue (vLLM's continue_final_message). With `tools` the template renders
-them, and each choice's reply is read for tool calls (server.tools).
+them, and each choice's reply is read for tool calls (server.tools); tool_choice
+"required" or a named function holds the reply to its schema while decoding, as
+response_format and structured_outputs do (server.structured).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from server.params import (
 )
 from server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from server.shaping import ResponseShaper
+from server.structured import compile_constraint, requested
 from server.tools import ToolCallReader, ToolPlan, plan_tools, template_tool_calls
 
 
@@ -132,8 +135,10 @@ def plan_chat(
         raise bad_request(f"{param} must be >= 1", param=param)
     top_n = (request.top_logprobs or 0) if request.logprobs else None
     check_samples(1, request.n, config)
-    sampling = sampling_params(request, top_n, max_tokens, limits)
     tools = plan_tools(request, config)
+    asked = requested(request, tools.output_schema if tools is not None else None)
+    constraint = compile_constraint(asked, tokenizer, limits)
+    sampling = sampling_params(request, top_n, max_tokens, limits, constraint)
     prompt = render_prompt(request, tokenizer, tools)
     requests = build_requests(
         base_id,

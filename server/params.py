@@ -2,7 +2,8 @@
 
 Owns every check that needs the model or the server's limits: prompt and
 context length, n, stop strings, logprobs, token ids (logit_bias and
-allowed_token_ids asked of SamplingParams). Each failure is a 400
+allowed_token_ids asked of SamplingParams), structured outputs (compiled by
+server.structured). Each failure is a 400
 `APIError` whose `param` names the field, raised before anything is queued.
 """
 
@@ -14,11 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import ActiveRequest
-from engine.types import PromptTooLongError, SamplingParams
+from engine.types import PromptTooLongError, SamplingParams, TokenConstraint
 from server.backend import ModelLimits, TokenizerClient
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
 from server.protocol import CompletionRequest, SamplingFields
+from server.structured import compile_constraint, requested
 from server.tools import ToolPlan
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
@@ -171,9 +173,14 @@ def logit_bias(request: SamplingFields) -> tuple[tuple[int, float], ...]:
 
 
 def sampling_params(
-    request: SamplingFields, logprobs: int | None, max_tokens: int | None, limits: ModelLimits
+    request: SamplingFields,
+    logprobs: int | None,
+    max_tokens: int | None,
+    limits: ModelLimits,
+    constraint: TokenConstraint | None = None,
 ) -> SamplingParams:
-    """The engine's sampling parameters; bounds that need the model are checked here."""
+    """The engine's sampling parameters; bounds that need the model are checked here.
+    `constraint`: the compiled structured-output constraint (server.structured)."""
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
     if top_k > limits.vocab_size:
         raise bad_request(
@@ -201,6 +208,7 @@ def sampling_params(
             allowed_token_ids=(
                 None if request.allowed_token_ids is None else tuple(request.allowed_token_ids)
             ),
+            constraint=constraint,
         )
         sampling.check_vocab(limits.vocab_size)
     except ValueError as exc:  # SamplingError names its field
@@ -281,7 +289,8 @@ def plan_completion(
         raise bad_request("max_tokens must be >= 1 when streaming", param="max_tokens")
     items = prompt_items(request, config)
     check_samples(len(items), request.n, config)
-    sampling = sampling_params(request, request.logprobs, request.max_tokens, limits)
+    constraint = compile_constraint(requested(request), tokenizer, limits)
+    sampling = sampling_params(request, request.logprobs, request.max_tokens, limits, constraint)
     prompts = resolve_prompts(items, tokenizer)
     stop = stop_strings(request, config)
     requests = build_requests(

@@ -75,13 +75,17 @@ class SamplingFields(BaseModel):
     # OpenAI's: token id (a string of an int) -> bias; keys parsed in server.params, count,
     # range and ids are SamplingParams' rules
     logit_bias: dict[StrictStr, StrictFloat] | None = None
-    # known but unsupported: rejected when they would change the output
-    repetition_penalty: StrictFloat | None = _float()
-    min_p: StrictFloat | None = _float()
+    # structured outputs (server.structured reads and checks them): OpenAI's response_format,
+    # vLLM's structured_outputs, and the guided_* fields vLLM removed, read as aliases
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
+    guided_grammar: Any = None
+    # known but unsupported: rejected when they would change the output
+    repetition_penalty: StrictFloat | None = _float()
+    min_p: StrictFloat | None = _float()
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first set field we cannot honour, else None."""
@@ -89,11 +93,6 @@ class SamplingFields(BaseModel):
             return "repetition_penalty", "repetition_penalty is not supported"
         if self.min_p not in (None, 0.0):
             return "min_p", "min_p is not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "response_format other than text is not supported"
-        for name in ("guided_json", "guided_regex", "guided_choice"):
-            if getattr(self, name) is not None:
-                return name, f"{name} (guided decoding) is not supported"
         return None
 
 

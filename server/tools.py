@@ -12,8 +12,10 @@ tool_choice, as vLLM serves it:
 - "required": the reply is a JSON list of `{"name", "parameters"}` (vLLM's form), or
   else whatever the configured parser finds in it.
 - `{"type": "function", "function": {"name": f}}`: the whole reply is f's arguments.
-Required and named are not enforced while decoding yet: `tool_choice_schema` is the
-schema a structured-output constraint will hold the reply to once the engine takes one.
+Required and named are enforced while decoding: `tool_choice_schema` is the schema
+the structured-output constraint holds the reply to (server.structured), so a named
+function's arguments and each required call's parameters follow the function's
+`parameters`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class ToolPlan:
     function: str | None = None  # the named function
     parser: ToolParser | None = None  # the reply format of auto (and required's fallback)
     single_call: bool = False  # parallel_tool_calls: false
-    output_schema: dict[str, Any] | None = None  # what the reply must follow; not enforced yet
+    output_schema: dict[str, Any] | None = None  # what the reply must follow (enforced)
 
     @property
     def reads_calls(self) -> bool:
@@ -81,6 +83,8 @@ def plan_tools(request: ChatCompletionRequest, config: ServerConfig) -> ToolPlan
     parser = PARSERS.get(config.tool_call_parser or "")
     if choice == "required":
         schema = tool_choice_schema(tools, choice)
+        if single and schema is not None:  # parallel_tool_calls: false -> exactly one call
+            schema["maxItems"] = 1
         return ToolPlan(dicts, "required", parser=parser, single_call=single, output_schema=schema)
     if parser is None or not config.enable_auto_tool_choice:
         raise bad_request(f'"auto" tool choice requires {AUTO_FLAGS} to be set', "tool_choice")
@@ -94,7 +98,7 @@ def tool_choice_schema(
 
     vLLM's: a named function's parameters, or for "required" a non-empty list of
     `{"name", "parameters"}` objects over the tools, with their `$defs` hoisted to the
-    top. The one place a structured-output constraint for tools is to come from.
+    top. The one place the structured-output constraint for tools comes from.
     """
     if isinstance(choice, NamedToolChoice):
         chosen = [tool for tool in tools if tool.function.name == choice.function.name]

@@ -5,7 +5,8 @@ property tests drive the same class). Owns: the sample's detokenizer and stop
 matcher, its token count and the finishing rules, in this order per token:
 a stop token id (the user's, once min_tokens are out) or EOS (unless
 ignore_eos; the model's, likewise after min_tokens) ends the sample without
-its own text; else the token's text goes through the stop strings; the last
+its own text; else the token's text goes through the stop strings; a token that
+completes the sample's structured-output grammar ends it with "stop"; the last
 token of the budget ends it with "length". Whatever ends it, held-back text is
 released, and a stop string completed by that release wins, since it comes
 first in the text.
@@ -93,8 +94,9 @@ class TextStream:
     def finished(self) -> bool:
         return self._finished
 
-    def add(self, token_id: int, *, last: bool = False) -> TextStep:
-        """Consume one generated token; `last`: the budget (max_tokens, context) ends with it.
+    def add(self, token_id: int, *, last: bool = False, done: bool = False) -> TextStep:
+        """Consume one generated token; `last`: the budget (max_tokens, context) ends with it;
+        `done`: the structured-output grammar is complete with it (nothing may follow).
 
         After a finished step, later tokens yield nothing.
         """
@@ -107,9 +109,9 @@ class TextStream:
         if may_stop and token_id in self._eos_token_ids:
             return self._end("stop", None)
         step = self._stop_strings(self._detokenizer.add(token_id))
-        if step.finished or not last:
+        if step.finished or not (last or done):
             return step
-        tail = self._end("length", None)
+        tail = self._end("stop" if done else "length", None)
         return TextStep(step.text + tail.text, tail.finish_reason, tail.stop_reason)
 
     def finish(self) -> TextStep:

@@ -20,6 +20,7 @@ from typing import Any
 from tokenization import chat
 from tokenization.byte_decoding import DecoderStyle, byte_token_value, detect_style, token_to_bytes
 from tokenization.errors import ChatTemplateError, InvalidTokenError, TokenizationError
+from tokenization.grammar import GrammarCompiler
 
 __all__ = [
     "ChatTemplateError",
@@ -76,6 +77,8 @@ class Tokenizer:
         self.byte_token_ids: frozenset[int] = self._byte_token_ids()
         self._bytes_cache: dict[int, bytes] = {}
         self._bytes_lock = threading.Lock()
+        self._grammar_compilers: dict[int, GrammarCompiler] = {}
+        self._grammar_lock = threading.Lock()  # held while a compiler is built
 
     @classmethod
     def from_folder(cls, path: str | Path, *, chat_template: str | None = None) -> Tokenizer:
@@ -220,3 +223,13 @@ class Tokenizer:
             template_kwargs=template_kwargs,
         )
         return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
+        """The structured-output compiler for a model of `vocab_size` ids, built on first use
+        (~1 s for a 50k vocabulary) and kept: one per tokenizer and vocabulary size."""
+        with self._grammar_lock:
+            compiler = self._grammar_compilers.get(vocab_size)
+            if compiler is None:
+                compiler = GrammarCompiler(self.hf, vocab_size, self.eos_token_ids)
+                self._grammar_compilers[vocab_size] = compiler
+            return compiler

@@ -55,7 +55,7 @@ class TextStream(Protocol):
 
     tokens: int  # tokens consumed so far
 
-    def add(self, token_id: int, *, last: bool = False) -> TextStep: ...
+    def add(self, token_id: int, *, last: bool = False, done: bool = False) -> TextStep: ...
 
 
 TextStreamFactory = Callable[[ActiveRequest, SamplingParams], TextStream]
@@ -160,7 +160,9 @@ class DetokenizeStage:
                 np.asarray(message.top_ids),
                 np.asarray(message.top_logprobs),
             )
-        self._advance(sample, _Token(token_id, logprobs), message.prompt_logprobs, message.last)
+        self._advance(
+            sample, _Token(token_id, logprobs), message.prompt_logprobs, message.last, message.done
+        )
 
     def _on_step(self, message: StepTokens) -> None:
         live: list[_Sample] = []
@@ -190,7 +192,9 @@ class DetokenizeStage:
                 logprobs = _token_logprobs(
                     k, token_id, logprob[slot], top_ids[slot], top_logprobs[slot]
                 )
-            self._advance(sample, _Token(token_id, logprobs), None, sample.slot in message.last)
+            slot = sample.slot
+            token = _Token(token_id, logprobs)
+            self._advance(sample, token, None, slot in message.last, slot in message.done)
 
     def _advance(
         self,
@@ -198,13 +202,15 @@ class DetokenizeStage:
         token: _Token,
         prompt_logprobs: tuple[TokenLogprobs | None, ...] | None,
         last: bool,
+        done: bool = False,
     ) -> None:
         """Turn one token into a delta; the text stream says whether the sample ended.
 
-        `last` comes from the generate stage, the one counter of token budgets.
+        `last` and `done` come from the generate stage, the one counter of token budgets
+        and the one reader of structured-output matchers.
         """
         job = sample.job
-        step = sample.text.add(token.token_id, last=last)
+        step = sample.text.add(token.token_id, last=last, done=done)
         now = time.monotonic()
         if job.stream.timings.first_token is None:
             job.stream.timings.first_token = now

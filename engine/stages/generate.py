@@ -13,19 +13,36 @@ Budgets are counted here only: the message that carries a sample's last
 token says so, and the detokenize stage ends the sample on it.
 Slots are handed out lowest first, so the busy ones sit low, and each step
 runs the engine's smallest decode bucket that covers the highest busy slot.
+
+Structured outputs: a constrained sample's first token was sampled under its
+grammar's first mask (prefill); every later one under the mask after the tokens
+before it. A step with constrained slots sends their tokens to the grammar worker
+(engine.stages.grammar) and holds its StepTokens back; right before the next step
+the stage waits for the masks, writes them into the decode state (engine.set_masks)
+and sends the held messages on, in order, marking the samples the grammar completed
+("stop"; their slots are freed here) and failing a request whose grammar refused a
+token (that request only). Without constrained slots none of this runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from engine.sampling import token_bitmask
 from engine.stages.faults import Fault
+from engine.stages.grammar import Advanced, Constrained, GrammarWorker
 from engine.stages.messages import (
     NO_LEASE,
     CancelJob,
@@ -38,7 +55,9 @@ from engine.stages.messages import (
     StepTokens,
 )
 from engine.stages.queues import POLL_S, Credits, StepClock, put
-from engine.types import EngineProtocol
+from engine.types import ConstraintMatcher, EngineProtocol
+
+Reject = Callable[[Job, Exception], None]  # fails one request, the others go on
 
 
 @dataclass
@@ -48,6 +67,17 @@ class _Occupant:
     lease: int
     job: Job
     tokens: int  # tokens this sample has produced so far, the prefill's included
+    matcher: ConstraintMatcher | None = None  # structured outputs: where its grammar is
+    base: np.ndarray | None = None  # with a matcher: allowed_token_ids' words, if any
+
+
+@dataclass
+class _Held:
+    """A message for the detokenize stage waiting for the grammar worker's answer (None:
+    waiting only behind one that does, to keep the order)."""
+
+    message: DetokenizeMessage
+    answer: Future[Advanced] | None
 
 
 class GenerateStage:
@@ -60,6 +90,7 @@ class GenerateStage:
         stop: threading.Event,
         fault: Fault,
         clock: StepClock | None = None,
+        reject: Reject | None = None,
     ):
         self._engine = engine
         self._clock = clock if clock is not None else StepClock()
@@ -74,6 +105,9 @@ class GenerateStage:
         self._pending: deque[PrefillDone] = deque()
         self._next_lease = 0
         self._leases: tuple[int, ...] = (NO_LEASE,) * engine.max_slots
+        self._reject = reject
+        self._held: deque[_Held] = deque()
+        self.grammar: GrammarWorker | None = None  # started with the first constrained sample
         self.slots_in_use = 0  # gauge: written here only, read by stats()
         self.steps = 0  # counter: written here only
 
@@ -84,19 +118,24 @@ class GenerateStage:
             ReleaseSlot: self._on_release,
             CancelJob: self._on_cancel,
         }
-        while not self._stop.is_set():
-            for message in self._receive():
-                handlers[type(message)](message)  # type: ignore[operator]
-            self._insert_pending()
-            if self.slots_in_use and not self._stop.is_set():
-                self._step()
-            else:
-                self._clock.idle()
+        try:
+            while not self._stop.is_set():
+                for message in self._receive():
+                    handlers[type(message)](message)  # type: ignore[operator]
+                self._insert_pending()
+                self._settle()
+                if self.slots_in_use and not self._stop.is_set():
+                    self._step()
+                else:
+                    self._clock.idle()
+        finally:
+            if self.grammar is not None:
+                self.grammar.close()
 
     def _receive(self) -> list[GenerateMessage]:
         """Everything in the inbox now; waits for the first message only when idle."""
         messages: list[GenerateMessage] = []
-        if not self.slots_in_use and not self._pending:
+        if not self.slots_in_use and not self._pending and not self._held:
             try:
                 messages.append(self._inbox.get(timeout=POLL_S))
             except queue.Empty:
@@ -134,15 +173,16 @@ class GenerateStage:
             self._state = self._engine.insert(done.prefix, self._state, slot)
             lease = self._next_lease
             self._next_lease += 1
-            self._slots[slot] = _Occupant(lease, done.job, tokens=1)
+            occupant = _Occupant(lease, done.job, tokens=1)
+            self._slots[slot] = occupant
+            self._constrain(occupant, done.job.samplings[done.index])
             self.slots_in_use += 1
             self._set_lease(slot, lease)
             if done.job.stream.timings.inserted is None:
                 done.job.stream.timings.inserted = time.monotonic()
             prefix = done.prefix
             last = done.job.max_new_tokens <= 1
-            put(
-                self._outbox,
+            self._emit(
                 SlotAssigned(
                     slot=slot,
                     lease=lease,
@@ -157,7 +197,7 @@ class GenerateStage:
                     ),
                     last=last,
                 ),
-                self._stop,
+                self._advance_grammar(prefix.token, [slot]),
             )
             if last:
                 self._free_slot(slot)
@@ -175,10 +215,94 @@ class GenerateStage:
             occupant.tokens += 1
             if occupant.tokens >= occupant.job.max_new_tokens:
                 spent.append(slot)
-        put(self._outbox, StepTokens(output, self._leases, frozenset(spent)), self._stop)
+        constrained = [s for s, o in enumerate(self._slots) if o is not None and o.matcher]
+        answer = self._advance_grammar(output.tokens, constrained) if constrained else None
+        self._emit(StepTokens(output, self._leases, frozenset(spent)), answer)
         self._clock.stepped(output.tokens)
         for slot in spent:
             self._free_slot(slot)
+
+    # -- structured outputs ------------------------------------------------------------
+
+    def _constrain(self, occupant: _Occupant, sampling: Any) -> None:
+        """Give a sample with a structured-output constraint its own matcher."""
+        if sampling.constraint is None:
+            return
+        occupant.matcher = sampling.constraint.matcher()
+        if sampling.allowed_token_ids is not None:
+            words = np.asarray(sampling.constraint.initial_mask()).shape[0]
+            occupant.base = token_bitmask(sampling.allowed_token_ids, words * 32)
+        if self.grammar is None:
+            self.grammar = GrammarWorker(np.asarray(sampling.constraint.initial_mask()).shape[0])
+
+    def _advance_grammar(self, tokens: Any, slots: list[int]) -> Future[Advanced] | None:
+        """Send these slots' tokens to the grammar worker (None when none is constrained)."""
+        entries = []
+        for slot in slots:
+            occupant = self._slots[slot]
+            if occupant is not None and occupant.matcher is not None:
+                entries.append(Constrained(slot, occupant.lease, occupant.matcher, occupant.base))
+        if not entries or self.grammar is None:
+            return None
+        return self.grammar.submit(tokens, entries)
+
+    def _emit(self, message: DetokenizeMessage, answer: Future[Advanced] | None = None) -> None:
+        """To the detokenize stage now, or held behind the grammar worker's answers."""
+        if answer is None and not self._held:
+            put(self._outbox, message, self._stop)
+        else:
+            self._held.append(_Held(message, answer))
+
+    def _settle(self) -> None:
+        """Wait for the grammar worker's answers, write the next masks into the decode
+        state, then send the held messages on in order (with the samples they complete)."""
+        if not self._held:
+            return
+        words = self.grammar.words if self.grammar is not None else 0
+        slots = np.full((self._engine.max_slots,), self._engine.max_slots, np.int32)
+        masks = np.full((self._engine.max_slots, words), -1, np.int32)
+        while self._held:
+            held = self._held.popleft()
+            message = held.message
+            if held.answer is not None:
+                answer = self._wait(held.answer)
+                if answer is None:
+                    return  # stopping
+                self._take(answer, slots, masks)
+                message = _completed(message, frozenset(answer.done))
+            put(self._outbox, message, self._stop)
+        if (slots < self._engine.max_slots).any():
+            self._state = self._engine.set_masks(self._state, slots, masks)
+
+    def _take(self, answer: Advanced, slots: np.ndarray, masks: np.ndarray) -> None:
+        """Fail the requests whose grammar refused a token, free the samples it completed,
+        and keep the next masks of those still in their slots."""
+        for slot, lease, why in answer.failed:
+            occupant = self._occupant(slot, lease)
+            if occupant is not None:
+                self._on_cancel(CancelJob(occupant.job))
+                if self._reject is not None:
+                    self._reject(occupant.job, ValueError(f"structured output failed: {why}"))
+        for slot, lease in answer.done.items():
+            if self._occupant(slot, lease) is not None:
+                self._free_slot(slot)
+        for slot, (lease, mask) in answer.masks.items():
+            if self._occupant(slot, lease) is not None:
+                slots[slot] = slot
+                masks[slot] = mask
+
+    def _occupant(self, slot: int, lease: int) -> _Occupant | None:
+        """The slot's sample if it still holds the lease."""
+        occupant = self._slots[slot]
+        return occupant if occupant is not None and occupant.lease == lease else None
+
+    def _wait(self, answer: Future[Advanced]) -> Advanced | None:
+        while not self._stop.is_set():
+            try:
+                return answer.result(timeout=POLL_S)
+            except FutureTimeout:
+                continue
+        return None
 
     def _free_slot(self, slot: int) -> None:
         self._state = self._engine.free(self._state, slot)
@@ -191,3 +315,10 @@ class GenerateStage:
         leases = list(self._leases)
         leases[slot] = lease
         self._leases = tuple(leases)
+
+
+def _completed(message: DetokenizeMessage, done: frozenset[int]) -> DetokenizeMessage:
+    """The message with the slots whose output its token completed marked `done`."""
+    if isinstance(message, SlotAssigned):
+        return dataclasses.replace(message, done=message.slot in done)
+    return dataclasses.replace(message, done=done)

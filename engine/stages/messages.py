@@ -82,7 +82,8 @@ class SlotAssigned:
 
     The token fields are the Prefix's device values, copied to the host by the
     detokenize stage, not by the generate thread. `last`: the sample's token
-    budget ends with this token (the generate stage alone counts budgets).
+    budget ends with this token (the generate stage alone counts budgets). `done`: the
+    sample's structured-output constraint is complete with this token, so it ends "stop".
     """
 
     slot: int
@@ -95,6 +96,7 @@ class SlotAssigned:
     top_logprobs: Any
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None
     last: bool = False
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,15 @@ class StepTokens:
 
     `last` names the slots whose sample used its token budget with this step's
     token; the generate stage has freed them already, and the detokenize stage
-    ends those samples with "length" unless another rule ended them first.
+    ends those samples with "length" unless another rule ended them first. `done` names
+    the slots whose structured-output constraint this step's token completed: those end
+    with "stop" (the generate stage frees them before the next step).
     """
 
     output: StepOutput
     leases: tuple[int, ...]
     last: frozenset[int] = frozenset()
+    done: frozenset[int] = frozenset()
 
 
 DetokenizeMessage = SlotAssigned | StepTokens

@@ -120,3 +120,36 @@ def test_the_counter_sees_a_compilation(small_engine, compile_events):
 
 def jitted(engine) -> dict[str, object]:
     return {name: f for name, f in vars(engine).items() if hasattr(f, "_cache_size")}
+
+
+def test_structured_output_masks_compile_nothing(small_engine, compile_events):
+    """A grammar's first mask rides in the sampling arrays; later masks are written by
+    set_masks, one fixed shape compiled by warm-up, before steps of every bucket."""
+    from tokenization import Tokenizer
+    from tokenization.grammar import GrammarSpec
+
+    engine = small_engine
+    compiler = Tokenizer.from_folder(engine.config.model_path).grammar_compiler(engine.vocab_size)
+    grammar = compiler.compile(GrammarSpec("regex", "[a-c]{3,9}"))
+    sizes_before = {name: f._cache_size() for name, f in jitted(engine).items()}
+    state = engine.init_state()
+    for batch in engine.decode_buckets:
+        slot = batch - 1
+        matcher = grammar.matcher()
+        sampling = SamplingParams(temperature=0.7, seed=batch, constraint=grammar)
+        prefix = engine.prefill([3, 4, 5], sampling)
+        state = engine.free(state, slot)
+        state = engine.insert(engine.resample(prefix, sampling), state, slot)
+        token = int(np.asarray(prefix.token))
+        for _ in range(2):
+            assert not matcher.advance(token)
+            slots = np.full((engine.max_slots,), engine.max_slots, np.int32)
+            masks = np.full((engine.max_slots, state.sampling.allowed.shape[1]), -1, np.int32)
+            slots[slot] = slot
+            matcher.fill_mask(masks[slot])
+            state = engine.set_masks(state, slots, masks)
+            state, out = engine.generate(state, batch)
+            token = int(np.asarray(out.tokens)[slot])
+    jax.block_until_ready(out.tokens)
+    assert compile_events == []
+    assert {name: f._cache_size() for name, f in jitted(engine).items()} == sizes_before
