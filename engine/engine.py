@@ -618,6 +618,9 @@ class Engine:
             top_logprobs=first.top_logprobs,
         )
 
+    def close(self) -> None:
+        """Nothing beyond device memory to release: the arrays go with the engine."""
+
     def receive(self, prefix: Prefix) -> Prefix:
         """A prefix prefilled by another engine, moved onto this one's devices in the
         layouts its own prefill gives (KV split by kv head, the first token copied), so

@@ -173,6 +173,9 @@ class FakeEngine:
         base, bucket = prefix.cache
         return self._prefix(prefix.length, sampling, base, bucket, prefix.prompt_logprobs)
 
+    def close(self) -> None:
+        """Nothing to release."""
+
     def receive(self, prefix: Prefix) -> Prefix:
         """Host data needs no move: only the delay of one."""
         self._sleep(self._delays.receive)

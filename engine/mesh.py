@@ -84,6 +84,8 @@ def place_params(folder: Any, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Any:
     pieces: list[list[jax.Array]] = []
     treedef = None
     for shard, device in enumerate(devices):
+        if device.process_index != jax.process_index():
+            continue  # multi-host: another process reads that shard
         host = matmul_layout(load_params(folder, cfg, dtype, shard))
         leaves, treedef = jax.tree.flatten(host)
         pieces.append([jax.device_put(leaf, device) for leaf in leaves])
@@ -95,19 +97,19 @@ def place_params(folder: Any, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Any:
     )
     leaves = []
     for i, sharding in enumerate(shardings):
-        parts = [pieces[shard][i] for shard in range(len(devices))]
-        leaves.append(_assemble(parts, sharding))
+        parts = [local[i] for local in pieces]
+        leaves.append(_assemble(parts, sharding, len(devices)))
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _assemble(parts: list[jax.Array], sharding: NamedSharding) -> jax.Array:
-    """One global array from each device's part (in mesh order) under `sharding`."""
+def _assemble(parts: list[jax.Array], sharding: NamedSharding, shards: int) -> jax.Array:
+    """One global array of `shards` parts under `sharding`, from this process's parts."""
     spec = sharding.spec
     if MODEL_AXIS not in spec:
         shape = parts[0].shape
     else:
         axis = list(spec).index(MODEL_AXIS)
-        shape = tuple(n * (len(parts) if a == axis else 1) for a, n in enumerate(parts[0].shape))
+        shape = tuple(n * (shards if a == axis else 1) for a, n in enumerate(parts[0].shape))
     return jax.make_array_from_single_device_arrays(shape, sharding, parts)
 
 

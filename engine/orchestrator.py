@@ -231,6 +231,9 @@ class Orchestrator:
         for thread in self._threads:
             if thread is not current:
                 thread.join(_JOIN_S)
+        self._engine.close()  # after the stages' last call
+        if self._prefill_engine is not self._engine:
+            self._prefill_engine.close()
 
     @property
     def alive(self) -> bool:

@@ -335,6 +335,10 @@ class EngineProtocol(Protocol):
         """A prefix another engine prefilled (disaggregated mode), on this engine's devices."""
         ...
 
+    def close(self) -> None:
+        """No engine call follows (multi-host: the other processes are told to stop)."""
+        ...
+
     def decode_bucket(self, busy_rows: int) -> int:
         """The smallest batch `generate` is compiled for that covers slots 0..busy_rows-1."""
         ...

@@ -71,7 +71,7 @@ class ServerConfig:
     # Multi-host (jax.distributed): process 0 serves HTTP, the others follow its schedule.
     coordinator_address: str | None = None  # host:port of process 0's coordinator
     num_processes: int = 1
-    process_id: int | None = None  # None: from the environment (TPU, LeaderWorkerSet) or 0
+    process_id: int | None = None  # this process's index; needed with num_processes > 1
     distributed_timeout: float = 300.0  # seconds to wait for every process to join
 
     def __post_init__(self) -> None:
@@ -135,8 +135,13 @@ class ServerConfig:
             raise ValueError(
                 f"process_id must be in 0..{self.num_processes - 1}, got {self.process_id}"
             )
-        if self.num_processes > 1 and not self.coordinator_address:
-            raise ValueError("num_processes > 1 needs coordinator_address (host:port)")
+        if self.num_processes > 1 and (not self.coordinator_address or self.process_id is None):
+            raise ValueError(
+                "num_processes > 1 needs coordinator_address (host:port of process 0) and "
+                "process_id"
+            )
+        if self.num_processes > 1 and self.prefill_devices is not None:
+            raise ValueError("a multi-host server is not disaggregated (prefill_devices)")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
 
@@ -227,7 +232,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "generate_devices": (str, "disaggregated: generate's devices, a count or ids (2,3 or 2-3)"),
     "coordinator_address": (str, "multi-host: host:port of process 0 (jax.distributed)"),
     "num_processes": (int, "multi-host: processes in the server (1: one host)"),
-    "process_id": (int, "multi-host: this process's index (default: from the environment)"),
+    "process_id": (int, "multi-host: this process's index, 0 serves HTTP"),
     "distributed_timeout": (float, "multi-host: seconds to wait for every process to join"),
 }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +38,14 @@ def model_path(config: ServerConfig) -> Path:
     return ensure_demo_model(config.demo_model_dir)
 
 
-def load_backend(config: ServerConfig) -> Backend:
-    """Load, warm up and start; raises on any failure (the runtime reports it)."""
+def build_engines(config: ServerConfig) -> tuple[Any, Any]:
+    """(prefill engine or None, engine), loaded and warmed up; None: one engine does both."""
     import jax
 
     from engine.engine import Engine, EngineConfig
     from engine.mesh import device_sets
-    from engine.orchestrator import Orchestrator, OrchestratorConfig
-    from engine.stages.detokenize import text_streams
-    from tokenization import Tokenizer
 
     path = model_path(config)
-    template = config.chat_template.read_text(encoding="utf-8") if config.chat_template else None
-    tokenizer = Tokenizer.from_folder(path, chat_template=template)
     shapes = EngineConfig(
         model_path=path,
         dtype=config.dtype,
@@ -61,25 +57,50 @@ def load_backend(config: ServerConfig) -> Backend:
         prefix_cache_blocks=config.prefix_cache_blocks,
         tensor_parallel_size=config.tensor_parallel_size,
     )
-    prefill_engine = None
-    if config.prefill_devices is not None and config.generate_devices is not None:
-        prefill_ids, generate_ids = device_sets(
-            config.prefill_devices, config.generate_devices, [d.id for d in jax.devices()]
+    if config.num_processes > 1 and config.tensor_parallel_size != jax.device_count():
+        raise ValueError(
+            f"tensor_parallel_size {config.tensor_parallel_size}: a multi-host server shards "
+            f"the model over all {jax.device_count()} devices of its {config.num_processes} "
+            "processes"
         )
-        for name, ids in (("prefill_devices", prefill_ids), ("generate_devices", generate_ids)):
-            if config.tensor_parallel_size not in (1, len(ids)):
-                raise ValueError(
-                    f"{name} {list(ids)}: each set is one tensor-parallel mesh of its "
-                    f"devices, not of tensor_parallel_size {config.tensor_parallel_size}"
-                )
-        prefill_engine = Engine(_on(shapes, prefill_ids))
-        engine = Engine(_on(dataclasses.replace(shapes, prefix_cache_blocks=0), generate_ids))
-        prefill_engine.warmup(generate=False)
-        engine.warmup(prefill=False)
-        logger.info("disaggregated: prefill on %s, generate on %s", prefill_ids, generate_ids)
-    else:
+    if config.prefill_devices is None or config.generate_devices is None:
         engine = Engine(shapes)
         engine.warmup()
+        return None, engine
+    prefill_ids, generate_ids = device_sets(
+        config.prefill_devices, config.generate_devices, [d.id for d in jax.devices()]
+    )
+    for name, ids in (("prefill_devices", prefill_ids), ("generate_devices", generate_ids)):
+        if config.tensor_parallel_size not in (1, len(ids)):
+            raise ValueError(
+                f"{name} {list(ids)}: each set is one tensor-parallel mesh of its "
+                f"devices, not of tensor_parallel_size {config.tensor_parallel_size}"
+            )
+    prefill_engine = Engine(_on(shapes, prefill_ids))
+    engine = Engine(_on(dataclasses.replace(shapes, prefix_cache_blocks=0), generate_ids))
+    prefill_engine.warmup(generate=False)
+    engine.warmup(prefill=False)
+    logger.info("disaggregated: prefill on %s, generate on %s", prefill_ids, generate_ids)
+    return prefill_engine, engine
+
+
+def load_backend(config: ServerConfig, followers: Sequence[Any] = ()) -> Backend:
+    """Load, warm up and start; raises on any failure (the runtime reports it).
+
+    `followers`: multi-host, the other processes' command channels (engine.multihost);
+    every engine call is then mirrored to them.
+    """
+    from engine.multihost import LeaderEngine
+    from engine.orchestrator import Orchestrator, OrchestratorConfig
+    from engine.stages.detokenize import text_streams
+    from tokenization import Tokenizer
+
+    path = model_path(config)
+    template = config.chat_template.read_text(encoding="utf-8") if config.chat_template else None
+    tokenizer = Tokenizer.from_folder(path, chat_template=template)
+    prefill_engine, engine = build_engines(config)
+    if followers:
+        engine = LeaderEngine(engine, followers)
     eos = tokenizer.eos_token_ids | engine.eos_token_ids
     orchestrator = Orchestrator(
         engine,
