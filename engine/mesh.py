@@ -147,26 +147,24 @@ def parse_devices(text: str) -> int | tuple[int, ...]:
 def device_sets(
     prefill: str, generate: str, available: Sequence[int]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The prefill and generate device ids: counts take the devices in order (generate's
-    after prefill's); ids must exist, and the two sets must not overlap."""
+    """The prefill and generate device ids: a count takes the first devices the other set
+    does not (prefill's first); ids must exist, and the two sets must not overlap."""
     sets: list[tuple[int, ...]] = []
-    start = 0
     for name, text in (("prefill_devices", prefill), ("generate_devices", generate)):
         spec = parse_devices(text)
         if isinstance(spec, int):
-            if spec < 1 or start + spec > len(available):
+            left = [d for d in available if not sets or d not in sets[0]]
+            if spec < 1 or spec > len(left):
                 raise ValueError(
-                    f"{name} {spec}: only {len(available) - start} of {len(available)} "
-                    "devices are left for it"
+                    f"{name} {spec}: only {len(left)} of {len(available)} devices are left for it"
                 )
-            spec = tuple(available[start : start + spec])
+            spec = tuple(left[:spec])
         missing = sorted(set(spec) - set(available))
         if missing or len(set(spec)) != len(spec):
             raise ValueError(
                 f"{name} {list(spec)}: each must be one of the devices {list(available)}, once"
             )
         sets.append(spec)
-        start += len(spec)
     overlap = sorted(set(sets[0]) & set(sets[1]))
     if overlap:
         raise ValueError(f"prefill_devices and generate_devices share devices {overlap}")

@@ -252,20 +252,6 @@ def server_env_names() -> frozenset[str]:
     return frozenset(ENV_PREFIX + f.name.upper() for f in fields(ServerConfig))
 
 
-def device_set(text: str, after: frozenset[int] = frozenset()) -> frozenset[int]:
-    """A --prefill-devices / --generate-devices value as device ids: a count ("2": that many,
-    starting after the ids in `after`) or ids and ranges ("0,1", "2-3")."""
-    text = text.strip()
-    if text.isdigit() and "," not in text:
-        start = max(after) + 1 if after else 0
-        return frozenset(range(start, start + int(text)))
-    ids: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.strip().partition("-")
-        ids.update(range(int(low), int(high or low) + 1))
-    return frozenset(ids)
-
-
 CUSTOM_APIS = {LWS_API, INFERENCE_POOL_API, "gateway.networking.k8s.io/v1"}
 
 

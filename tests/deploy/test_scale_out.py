@@ -14,6 +14,7 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry
 
+from engine.mesh import device_sets
 from server.metrics import EngineMetrics
 from tests.deploy.manifests import (
     DEPLOY,
@@ -27,7 +28,6 @@ from tests.deploy.manifests import (
     check_server_variables,
     check_structure,
     container_environ,
-    device_set,
     find,
     lws_templates,
     pod_container,
@@ -55,10 +55,12 @@ GATEWAY_KINDS = {
 def _check_device_split(environ: dict[str, str], accelerators: int) -> None:
     config = check_server_variables(server_vars(environ))
     assert config.prefill_devices and config.generate_devices
-    prefill = device_set(config.prefill_devices)
-    generate = device_set(config.generate_devices, after=prefill)
-    assert not prefill & generate, f"prefill {sorted(prefill)} and generate share devices"
-    assert prefill | generate <= set(range(accelerators)), "a device the pod does not have"
+    try:  # the server's own check, on the pod's accelerators
+        prefill, generate = device_sets(
+            config.prefill_devices, config.generate_devices, range(accelerators)
+        )
+    except ValueError as exc:
+        raise AssertionError(str(exc)) from exc
     tp = config.tensor_parallel_size
     assert len(prefill) == len(generate) == tp, "each set is one tensor-parallel mesh"
 
@@ -92,11 +94,18 @@ def test_other_overlays_run_interleaved(rendered: dict[str, list[Manifest]], ove
 
 
 def test_device_set_forms() -> None:
-    assert device_set("0-1") == {0, 1}
-    assert device_set("2,3") == {2, 3}
-    assert device_set("0, 2-3") == {0, 2, 3}
-    assert device_set("2") == {0, 1}
-    assert device_set("2", after=frozenset({0, 1})) == {2, 3}
+    devices = range(4)
+    assert device_sets("0-1", "2,3", devices) == ((0, 1), (2, 3))
+    assert device_sets("0, 2-3", "1", devices) == ((0, 2, 3), (1,))  # the one left
+    assert device_sets("2", "2", devices) == ((0, 1), (2, 3))  # counts: generate after prefill
+    for prefill, generate, problem in (
+        ("0-1", "1-2", "share devices"),
+        ("3", "2", "only 1 of 4"),
+        ("0,7", "1", "each must be one of"),
+        ("0-x", "1", "a device set is a count or ids"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            device_sets(prefill, generate, devices)
 
 
 # --- Gateway API inference extension: many replicas, an endpoint picker per request ---
