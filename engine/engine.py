@@ -265,7 +265,7 @@ class Engine:
         )
         self._insert = jax.jit(insert_prefix, donate_argnums=(0,))
         self._free = jax.jit(free_slot, donate_argnums=(0,))
-        self._set_masks = jax.jit(write_masks, donate_argnums=(0,))
+        self._set_masks = jax.jit(write_masks, donate_argnums=(0, 1))
         self.decode_buckets = decode_buckets(self.max_slots)
         self._generate = jax.jit(
             functools.partial(decode_step, cfg=cfg, max_len=self.max_model_len),
@@ -692,7 +692,9 @@ class Engine:
         allowed = np.asarray(allowed, np.int32)
         if slots.shape != (self.max_slots,) or allowed.shape != (self.max_slots, words):
             raise ValueError(f"set_masks takes ({self.max_slots},) slots, masks of {words} words")
-        return self._set_masks(state, slots, allowed)
+        sampling = state.sampling
+        rows, masked = self._set_masks(sampling.allowed, sampling.masked, slots, allowed)
+        return dataclasses.replace(state, sampling=sampling._replace(allowed=rows, masked=masked))
 
     def warmup(self, prefill: bool = True, generate: bool = True) -> None:
         """Compile every shape serving can meet: each bucket (both variants), insert, and the

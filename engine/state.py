@@ -16,7 +16,6 @@ engine.model._attend_live) without slicing a buffer.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -138,14 +137,14 @@ def insert_prefix(
     )
 
 
-def write_masks(state: DecodeState, slots: jax.Array, allowed: jax.Array) -> DecodeState:
-    """Rows `slots` (padding: out of range, dropped) of the allowed-token bitmask set to
-    `allowed`, and marked as masked: a constrained slot's mask for its next token."""
-    sampling = state.sampling._replace(
-        allowed=state.sampling.allowed.at[slots].set(allowed, mode="drop"),
-        masked=state.sampling.masked.at[slots].set(True, mode="drop"),
-    )
-    return dataclasses.replace(state, sampling=sampling)
+def write_masks(
+    allowed: jax.Array, masked: jax.Array, slots: jax.Array, rows: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The sampling state's bitmask (slots, words) and masked flags (slots,) with rows
+    `slots` (padding: out of range, dropped) set to `rows` and marked: constrained slots'
+    masks for their next token. Only these two arrays go in and out, so the call costs a
+    dispatch of two buffers, not of the whole decode state."""
+    return allowed.at[slots].set(rows, mode="drop"), masked.at[slots].set(True, mode="drop")
 
 
 def free_slot(state: DecodeState, slot: jax.Array) -> DecodeState:
