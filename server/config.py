@@ -51,6 +51,7 @@ class ServerConfig:
     header_read_timeout: float = 10.0  # request line + headers, from connect or first byte
     body_read_timeout: float = 30.0  # the whole request body, from the end of the headers
     cache_dir: Path | None = None
+    compile_cache: bool = True  # XLA compilations kept under cache_dir/jax across restarts
     fault_injection: str | None = None
     # Request limits; each violation is a 400 that names the limit.
     max_n: int = 16
@@ -166,6 +167,11 @@ class ServerConfig:
         return self.resolved_cache_dir / "demo-model"
 
     @property
+    def compile_cache_dir(self) -> Path:
+        """Where compiled XLA programs are kept (JAX_COMPILATION_CACHE_DIR, when set, wins)."""
+        return self.resolved_cache_dir / "jax"
+
+    @property
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir is not None:
             return self.cache_dir
@@ -217,7 +223,8 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "timeout_keep_alive": (float, "seconds a kept-alive connection may idle between requests"),
     "header_read_timeout": (float, "seconds a client has to send a request's headers"),
     "body_read_timeout": (float, "seconds a client has to send a whole request body"),
-    "cache_dir": (_optional_path, "where the demo model is built when --model is not given"),
+    "cache_dir": (_optional_path, "the demo model and the compile cache (default ~/.cache/...)"),
+    "compile_cache": (_switch, "keep compiled programs under cache-dir/jax: restarts warm fast"),
     "fault_injection": (str, "test-only: inject a stage fault, e.g. generate:after=3"),
     "max_n": (int, "largest n per request"),
     "max_stop_strings": (int, "most stop strings per request"),

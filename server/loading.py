@@ -38,9 +38,33 @@ def model_path(config: ServerConfig) -> Path:
     return ensure_demo_model(config.demo_model_dir)
 
 
+def enable_compile_cache(config: ServerConfig) -> Path | None:
+    """Keep XLA's compiled programs on disk, so a restart warms up from them.
+
+    Warm-up compiles every shape (minutes on a 100M model); a restart, or a pod that finds
+    the previous one's volume, reads them back instead. JAX_COMPILATION_CACHE_DIR, when
+    set (the container image sets it), wins. Returns the folder in use, None when off.
+    """
+    import jax
+
+    if not config.compile_cache:
+        return None
+    current = getattr(jax.config, "jax_compilation_cache_dir", None)
+    if current:
+        return Path(current)
+    folder = config.compile_cache_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every shape
+    return folder
+
+
 def build_engines(config: ServerConfig) -> tuple[Any, Any]:
     """(prefill engine or None, engine), loaded and warmed up; None: one engine does both."""
     import jax
+
+    folder = enable_compile_cache(config)
+    logger.info("compile cache: %s", folder or "off")
 
     from engine.engine import Engine, EngineConfig
     from engine.mesh import device_sets
