@@ -78,6 +78,9 @@ class EngineConfig:
     # Blocks of PREFIX_BLOCK prompt tokens whose KV is kept for later prompts that start
     # the same way (0: no prefix cache).
     prefix_cache_blocks: int = 0
+    # The decode cache, prompt buffers and prefix pool together must fit this many bytes
+    # (None: no cap); with it, prefix_cache_blocks -1 takes what the other two leave.
+    kv_cache_memory_bytes: int | None = None
     # Devices: the first `tensor_parallel_size` of jax.devices(), or these ids (as many).
     tensor_parallel_size: int = 1
     devices: tuple[int, ...] | None = None
@@ -91,8 +94,16 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_prefill_len is not None and self.max_prefill_len < 1:
             raise ValueError(f"max_prefill_len must be >= 1, got {self.max_prefill_len}")
-        if self.prefix_cache_blocks < 0:
-            raise ValueError(f"prefix_cache_blocks must be >= 0, got {self.prefix_cache_blocks}")
+        if self.prefix_cache_blocks < -1 or (
+            self.prefix_cache_blocks == -1 and self.kv_cache_memory_bytes is None
+        ):
+            raise ValueError(
+                f"prefix_cache_blocks must be >= 0 (or -1 with kv_cache_memory_bytes: what the "
+                f"budget leaves), got {self.prefix_cache_blocks}"
+            )
+        budget = self.kv_cache_memory_bytes
+        if budget is not None and budget < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {budget}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
@@ -247,11 +258,6 @@ class Engine:
                 donate_argnums=(3, 4),
                 static_argnames=("all_logits", "last"),
             )
-        if config.prefix_cache_blocks:
-            pool_sharding = split(self.mesh, 1)  # (blocks, kv heads, ...) per layer
-            self.prefix_cache = PrefixPool(
-                cfg, config.prefix_cache_blocks, self._chunk_capacity, self.dtype, pool_sharding
-            )
         empty = functools.partial(
             empty_state,
             cfg,
@@ -260,6 +266,15 @@ class Engine:
             self.dtype,
             attention_chunk(self.max_model_len),
         )
+        blocks = self._budgeted_blocks(
+            _bytes_of(jax.eval_shape(empty)),
+            _bytes_of(jax.eval_shape(self._chunk_buffers)) if self._piece_steps else 0,
+        )
+        if blocks:
+            pool_sharding = split(self.mesh, 1)  # (blocks, kv heads, ...) per layer
+            self.prefix_cache = PrefixPool(
+                cfg, blocks, self._chunk_capacity, self.dtype, pool_sharding
+            )
         self._init_state = jax.jit(
             empty, out_shardings=state_shardings(jax.eval_shape(empty), self.mesh)
         )
@@ -290,6 +305,42 @@ class Engine:
             self.memory,
             config.dtype,
         )
+
+    def _budgeted_blocks(self, decode_bytes: int, buffer_bytes: int) -> int:
+        """The prefix pool's blocks, checked against (or, with -1, filling) the KV budget.
+
+        A budget that cannot hold the decode cache and the prompt buffer, or not even one
+        max-length request's share of them, is an error naming the sizes, at start.
+        """
+        config, cfg = self.config, self.model_config
+        blocks, budget = config.prefix_cache_blocks, config.kv_cache_memory_bytes
+        if budget is None:
+            return blocks
+        per_block = 2 * cfg.num_layers * cfg.kv_size * PREFIX_BLOCK * np.dtype(self.dtype).itemsize
+        per_slot = decode_bytes // self.max_slots
+        if per_slot + buffer_bytes > budget:
+            raise ValueError(
+                f"kv_cache_memory_bytes {budget} cannot hold one max-length request: its slot "
+                f"of {self.max_model_len} positions takes {per_slot} bytes and the prompt "
+                f"buffer {buffer_bytes}; raise the budget or lower max_model_len"
+            )
+        fixed = decode_bytes + buffer_bytes
+        if fixed > budget:
+            fit = (budget - buffer_bytes) // per_slot
+            raise ValueError(
+                f"kv_cache_memory_bytes {budget} is less than the decode cache of "
+                f"{self.max_slots} slots ({decode_bytes} bytes) and the prompt buffer "
+                f"({buffer_bytes}): at most {fit} slots of {self.max_model_len} positions fit"
+            )
+        if blocks == -1:
+            return int((budget - fixed) // per_block)
+        if fixed + blocks * per_block > budget:
+            raise ValueError(
+                f"kv_cache_memory_bytes {budget}: {blocks} prefix-cache blocks take "
+                f"{blocks * per_block} bytes, {budget - fixed} are left after the decode cache "
+                f"and the prompt buffer (at most {(budget - fixed) // per_block} blocks)"
+            )
+        return blocks
 
     def _chunks_prompts(self, config: EngineConfig) -> bool:
         """Chunking is on when asked for and some prompt would not fit the largest bucket."""

@@ -38,6 +38,9 @@ class ServerConfig:
     max_prefill_batch: int = 8  # prompts prefilled in one call (1: one at a time)
     prefill_chunk: int = 512  # longer prompts are prefilled this many tokens a call (0: off)
     prefix_cache_blocks: int = 0  # 16-token blocks of prompt KV kept for reuse (0: off)
+    # The KV pools' device memory cap (decode cache + prompt buffer + prefix pool), bytes;
+    # with it, prefix_cache_blocks -1 gives the prefix cache whatever the others leave.
+    kv_cache_memory_bytes: int | None = None
     max_queued_samples: int = 256  # admission bound, in samples (prompts x n), before 429
     api_key: str | None = None
     log_level: str = "info"
@@ -93,8 +96,16 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.prefix_cache_blocks < 0:
-            raise ValueError(f"prefix_cache_blocks must be >= 0, got {self.prefix_cache_blocks}")
+        if self.prefix_cache_blocks < -1 or (
+            self.prefix_cache_blocks == -1 and self.kv_cache_memory_bytes is None
+        ):
+            raise ValueError(
+                "prefix_cache_blocks must be >= 0 (or -1 with kv_cache_memory_bytes), "
+                f"got {self.prefix_cache_blocks}"
+            )
+        budget = self.kv_cache_memory_bytes
+        if budget is not None and budget < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {budget}")
         if self.prefill_chunk != 0 and self.prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be 0 (off) or >= 16, got {self.prefill_chunk}")
         buckets = self.prefill_buckets
@@ -185,6 +196,19 @@ def _buckets(text: str) -> tuple[int, ...]:
         raise ValueError(f"prefill-buckets must be a comma list of integers, got {text!r}") from exc
 
 
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def _byte_size(text: str) -> int:
+    """Bytes: a number with an optional unit, 512MiB, 8GiB, 2GB, 1e9."""
+    value = text.strip().lower().removesuffix("b")
+    unit = value.lstrip("0123456789.e+")
+    try:
+        return int(float(value[: len(value) - len(unit)]) * _UNITS[unit])
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"a size in bytes like 8GiB or 512MiB, got {text!r}") from exc
+
+
 def _optional_path(text: str) -> Path | None:
     return Path(text).expanduser() if text else None
 
@@ -212,6 +236,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "max_prefill_batch": (int, "prompts waiting together prefilled in one call (1: off)"),
     "prefill_chunk": (int, "tokens a prefill call of a long prompt takes, decode between (0: off)"),
     "prefix_cache_blocks": (int, "16-token blocks of prompt KV kept for later prompts (0: off)"),
+    "kv_cache_memory_bytes": (_byte_size, "KV pools cap, e.g. 8GiB (prefix blocks -1: the rest)"),
     "max_queued_samples": (int, "samples (prompts x n) waiting for prefill before 429"),
     "api_key": (str, "require 'Authorization: Bearer <key>' on /v1 routes"),
     "log_level": (str, "debug, info, warning, error"),

@@ -79,6 +79,7 @@ def build_engines(config: ServerConfig) -> tuple[Any, Any]:
         max_prefill_batch=config.max_prefill_batch,
         prefill_chunk=config.prefill_chunk or None,
         prefix_cache_blocks=config.prefix_cache_blocks,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         tensor_parallel_size=config.tensor_parallel_size,
     )
     if config.num_processes > 1 and config.tensor_parallel_size != jax.device_count():
