@@ -601,6 +601,11 @@ class Engine:
             )
         return prefix
 
+    def cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """Prompt tokens a prefill would now find in the prefix cache (0 without one)."""
+        pool = self.prefix_cache
+        return 0 if pool is None else pool.index.peek(token_ids) * PREFIX_BLOCK
+
     def batch_fits(self, lengths: Sequence[int]) -> bool:
         """Whether these prompts make one batched prefill call: one bucket, a compiled shape."""
         if len(lengths) < 2:

@@ -176,6 +176,10 @@ class FakeEngine:
     def close(self) -> None:
         """Nothing to release."""
 
+    def cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """No prefix cache here."""
+        return 0
+
     def receive(self, prefix: Prefix) -> Prefix:
         """Host data needs no move: only the delay of one."""
         self._sleep(self._delays.receive)

@@ -50,7 +50,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def split(mesh: Mesh, axis: int) -> NamedSharding:
-    """Axis `axis` split evenly over the "model" axis, the others whole."""
+    """Axis `axis` split evenly over the "model" axis, the others whole.
+
+    One device: replicated, the same sharding jit gives every output there; P(None,
+    "model") on one device is equivalent but a different cache key, so a state placed
+    with it and the state a step returns would each compile the step again.
+    """
+    if mesh.devices.size == 1:
+        return replicated(mesh)
     return NamedSharding(mesh, PartitionSpec(*([None] * axis), MODEL_AXIS))
 
 

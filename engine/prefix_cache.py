@@ -79,6 +79,15 @@ class PrefixIndex:
         self.stats.hits += len(found) * self.block_size
         return found
 
+    def peek(self, token_ids: Sequence[int]) -> int:
+        """How many leading blocks `lookup` would find now; changes nothing, counts nothing."""
+        found = 0
+        for key in self.keys(token_ids[:-1]):
+            if key not in self._where:
+                break
+            found += 1
+        return found
+
     def plan_store(self, token_ids: Sequence[int], cached: int) -> list[tuple[int, int]]:
         """(block index in the prompt, pool block) for each whole block past the first
         `cached` that is not in the pool yet, evicting the least recently used; the

@@ -313,6 +313,10 @@ class EngineProtocol(Protocol):
         """
         ...
 
+    def cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """Prompt tokens a prefill would now find in the prefix cache (host-only, no effect)."""
+        ...
+
     def batch_fits(self, lengths: Sequence[int]) -> bool:
         """Whether prompts of these lengths can be prefilled in one `prefill_batch` call."""
         ...

@@ -62,19 +62,27 @@ class PrefillStage:
                 self._prefill(self._gather(job))
 
     def _gather(self, first: Job) -> list[Job]:
-        """`first` and the jobs queued right behind it that fit one prefill call with it."""
-        if first.request.prompt_logprobs:  # echo + logprobs needs every position's logits
+        """`first` and the jobs queued right behind it that fit one prefill call with it.
+
+        A prompt that starts with cached blocks is prefilled alone: a batched call looks
+        nothing up, and computing only the rest on top of the cache costs less."""
+        if self._alone(first):
             return [first]
         lengths = [len(first.request.prompt_ids)]
 
         def fits(waiting: Job) -> bool:
             together = [*lengths, len(waiting.request.prompt_ids)]
-            if waiting.request.prompt_logprobs or not self._engine.batch_fits(together):
+            if self._alone(waiting) or not self._engine.batch_fits(together):
                 return False
             lengths.append(together[-1])
             return True
 
         return [first, *self._admission.take_while(fits)]
+
+    def _alone(self, job: Job) -> bool:
+        """Echo + logprobs needs every position's logits; a prefix-cache hit its lookup."""
+        request = job.request
+        return request.prompt_logprobs or self._engine.cached_tokens(request.prompt_ids) > 0
 
     def _prefill(self, batch: list[Job]) -> None:
         """Prefill the batch in one engine call; a request's bad data fails it alone."""

@@ -147,3 +147,96 @@ def test_hits_compile_nothing_after_warmup(engines, compile_events):  # noqa: F8
         if hasattr(f, "_cache_size")
     }
     assert pool_after == pool_before
+
+
+def test_peek_finds_what_lookup_would_and_changes_nothing():
+    index = PrefixIndex(blocks=8, block_size=B)
+    prompt = ids(3 * B + 2)
+    index.plan_store(prompt, cached=0)
+    before = (index.stats.queries, index.stats.hits)
+    assert index.peek(prompt) == 3 and index.peek(ids(3 * B)) == 2  # one token left to compute
+    assert index.peek(ids(3 * B, salt=1)) == 0
+    assert (index.stats.queries, index.stats.hits) == before
+    assert len(index.lookup(prompt)) == 3
+
+
+def test_a_burst_sharing_a_cached_prefix_is_prefilled_one_by_one_with_hits(engines):
+    """Through the orchestrator on the real engine: each prompt of a burst after the
+    first finds the shared block."""
+    from engine.orchestrator import Orchestrator
+    from engine.request import ActiveRequest
+    from engine.stages.detokenize import text_streams
+
+    cached, _ = engines
+    head = ids(B, salt=41)
+    o = Orchestrator(cached, text_streams(lambda ids, skip: _NoText(), ()))
+    o.start()
+    try:
+        first = ActiveRequest("warm", tuple(head + ids(3, salt=1)), GREEDY, 2)
+        o.submit(first).collect(timeout=60)
+        before = cached.cache_stats().prefix_hits
+        burst = [
+            o.submit(ActiveRequest(f"b{i}", tuple(head + ids(4 + i, salt=i)), GREEDY, 2))
+            for i in range(4)
+        ]
+        for stream in burst:
+            stream.collect(timeout=60)
+    finally:
+        o.stop()
+    assert cached.cache_stats().prefix_hits - before == 4 * B
+
+
+def test_prompts_with_cached_blocks_are_not_batched():
+    """A batched prefill looks nothing up: the prefill stage sends prompts the cache
+    would serve one by one, and batches the rest."""
+    import threading
+
+    from engine.fake import FakeEngine, FakeTokenizer
+    from engine.orchestrator import Orchestrator
+    from engine.request import ActiveRequest
+    from engine.stages.detokenize import text_streams
+
+    class Cached(FakeEngine):
+        calls: list[tuple[int, ...]] = []
+        inside, go = threading.Event(), threading.Event()
+
+        def cached_tokens(self, token_ids):
+            return B if token_ids[0] == 7 else 0
+
+        def prefill(self, token_ids, sampling, **kw):
+            if token_ids[0] == 1:  # the gate: the others queue up behind it
+                self.inside.set()
+                self.go.wait(10)
+            self.calls.append((len(token_ids),) if token_ids[0] == 7 else (0,))
+            return super().prefill(token_ids, sampling, **kw)
+
+        def prefill_batch(self, prompts):
+            self.calls.append(tuple(0 for _ in prompts))
+            return super().prefill_batch(prompts)
+
+    engine = Cached(max_slots=8, max_prefill_batch=8)
+    tokenizer = FakeTokenizer()
+    o = Orchestrator(engine, text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids))
+    o.start()
+    try:
+        streams = [o.submit(ActiveRequest("gate", (1,) * 5, GREEDY, 1))]
+        assert engine.inside.wait(10)
+        prompts = [(7 if i >= 3 else 3, *range(i, i + 20)) for i in range(6)]  # FIFO runs
+        streams += [o.submit(ActiveRequest(f"r{i}", p, GREEDY, 2)) for i, p in enumerate(prompts)]
+        engine.go.set()
+        for stream in streams:
+            stream.collect(timeout=10)
+    finally:
+        o.stop()
+    alone = [c for c in engine.calls if c != (0,) and len(c) == 1 and c[0] > 0]
+    batched = [c for c in engine.calls if len(c) > 1]
+    assert len(alone) == 3  # the three prompts starting with 7, each its own call
+    assert sum(len(c) for c in batched) == 3  # the other three, batched
+
+
+class _NoText:
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
