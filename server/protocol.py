@@ -257,19 +257,36 @@ class DetokenizeRequest(BaseModel):
 
 
 class ResponsesInputItem(BaseModel):
-    """One item of a Responses `input` list; only messages are served (checked when planned)."""
+    """One item of a Responses `input` list: a message, or an earlier turn's function call
+    and its result (checked when planned, by server.responses_input)."""
 
     model_config = ConfigDict(extra="ignore")
 
     type: StrictStr = "message"  # an "easy input message" has no type
     role: StrictStr | None = None
     content: StrictStr | list[dict[str, Any]] | None = None
+    # function_call (call_id, name, arguments) and function_call_output (call_id, output)
+    call_id: StrictStr | None = None
+    name: StrictStr | None = None
+    arguments: StrictStr | None = None
+    output: StrictStr | list[dict[str, Any]] | None = None
 
 
 class ResponsesTextFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """`text.format`: text, `{"type": "json_object"}` or `{"type": "json_schema", "name",
+    "schema", "strict"}` (flat, unlike chat's response_format; server.structured reads it)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     type: StrictStr = "text"
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+    def echo(self) -> dict[str, Any]:
+        """The format as the response object repeats it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class ResponsesTextConfig(BaseModel):
@@ -278,11 +295,34 @@ class ResponsesTextConfig(BaseModel):
     format: ResponsesTextFormat | None = None
 
 
+class ResponsesTool(BaseModel):
+    """One entry of a Responses `tools`: only `function` tools are served (server.tools),
+    flat, unlike chat's `{"type": "function", "function": {...}}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: StrictStr
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ResponsesToolChoice(BaseModel):
+    """`tool_choice` naming a function: `{"type": "function", "name": ...}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: StrictStr
+    name: StrictStr | None = None
+
+
 class ResponsesRequest(BaseModel):
     """The stateless subset of OpenAI's Responses API (POST /v1/responses).
 
-    Fields that need state (store, previous_response_id, conversation), tools or
-    structured output are declared so that asking for them is a clear 400.
+    Fields that need state (store, previous_response_id, conversation) or features not
+    served (background, reasoning, built-in tools) are declared so that asking for them
+    is a clear 400.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -297,14 +337,14 @@ class ResponsesRequest(BaseModel):
     metadata: dict[StrictStr, StrictStr] | None = None
     user: StrictStr | None = None
     parallel_tool_calls: StrictBool = True
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    text: ResponsesTextConfig | None = None
     # known but unsupported: rejected when they would change the output or need state
     store: StrictBool | None = None
     previous_response_id: StrictStr | None = None
     conversation: Any = None
     background: StrictBool | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    text: ResponsesTextConfig | None = None
     reasoning: dict[str, Any] | None = None
     include: list[Any] | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -322,12 +362,6 @@ class ResponsesRequest(BaseModel):
             return "conversation", f"conversation is not supported ({stateless})"
         if self.background:
             return "background", "background responses are not supported"
-        if self.tools:
-            return "tools", "tools are not supported yet on /v1/responses"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice is not supported yet on /v1/responses"
-        if self.text and self.text.format and self.text.format.type != "text":
-            return "text", "text.format other than text (structured output) is not supported"
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             return "reasoning", "reasoning is not supported"
         if self.include:

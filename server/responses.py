@@ -1,11 +1,17 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless, one assistant message out.
+"""POST /v1/responses: OpenAI's Responses API, stateless: a message and function calls out.
 
-`input` (a string or message items) follows `instructions` (a system message) through
-the chat template like chat's messages, and runs as one `Generation`. Nothing is
-stored, so `store: true` and `previous_response_id` are 400s. A stream is the named
-events the openai SDK assembles (response.created ... response.completed); the
-response ends "incomplete" with reason max_output_tokens when the budget ran out,
-and, as vLLM does, a stream still ends with response.completed carrying that status.
+`input` (a string or items, server.responses_input) follows `instructions` through the
+chat template like chat's messages, with the function `tools` as chat's, and runs as
+one `Generation`. Nothing is stored, so `store: true` and `previous_response_id` are
+400s. `text.format` (json_schema, json_object) and tool_choice required / named
+constrain the output as chat's response_format and tool_choice do (server.structured);
+with tools the reply is read for calls as chat's is (server.tools), each call a
+`function_call` output item after the message (no message when the reply is calls
+alone). A stream is the named events the openai SDK assembles (response.created ...
+response.completed): text as it comes; a named function's arguments as they come;
+auto / required calls at the end, as chat streams them. The response ends "incomplete"
+with reason max_output_tokens when the budget ran out, and, as vLLM does, a stream
+still ends with response.completed carrying that status.
 """
 
 from __future__ import annotations
@@ -27,53 +33,12 @@ from server.params import (
     check_common,
     sampling_params,
 )
-from server.protocol import (
-    ResponsesInputItem,
-    ResponsesRequest,
-    SamplingFields,
-    parts_text,
-)
+from server.protocol import ResponsesRequest, SamplingFields
+from server.responses_input import input_messages
 from server.streaming import NamedEvents
-
-ROLES = frozenset({"system", "developer", "user", "assistant"})
-TEXT_PARTS = frozenset({"input_text", "output_text"})  # output_text: an earlier reply
-
-
-def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """`instructions` then `input` as chat-template messages; a 400 names the bad item."""
-    messages = []
-    if request.instructions is not None:
-        messages.append({"role": "system", "content": request.instructions})
-    if isinstance(request.input, str):
-        messages.append({"role": "user", "content": request.input})
-        return messages
-    if not request.input:
-        raise bad_request("input must not be an empty list", param="input")
-    for index, item in enumerate(request.input):
-        messages.append(_message(item, f"input[{index}]"))
-    return messages
-
-
-def _message(item: ResponsesInputItem, where: str) -> dict[str, Any]:
-    if item.type != "message":
-        raise bad_request(
-            f"{where}: input items of type {item.type!r} are not supported (only messages)",
-            param="input",
-        )
-    if item.role not in ROLES:
-        raise bad_request(
-            f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {item.role!r}",
-            param="input",
-        )
-    if item.content is None:
-        raise bad_request(f"{where}.content is required", param="input")
-    if isinstance(item.content, str):
-        return {"role": item.role, "content": item.content}
-    try:
-        text = parts_text(item.content, f"{where}.content", TEXT_PARTS)
-    except ValueError as exc:
-        raise bad_request(str(exc), param="input") from exc
-    return {"role": item.role, "content": text}
+from server.structured import compile_constraint, requested_by_response
+from server.tool_parsers import ParsedCall
+from server.tools import ToolCallReader, plan_response_tools
 
 
 def plan_response(
@@ -94,8 +59,17 @@ def plan_response(
     if unsupported is not None:
         raise bad_request(unsupported[1], param=unsupported[0], code="unsupported")
     max_tokens = request.max_output_tokens
-    sampling = sampling_params(fields, None, max_tokens, limits)
-    ids = render_messages(input_messages(request), tokenizer, param="input")
+    tools = plan_response_tools(request, config)
+    text_format = request.text.format if request.text is not None else None
+    asked = requested_by_response(text_format, tools.output_schema if tools else None)
+    constraint = compile_constraint(asked, tokenizer, limits)
+    sampling = sampling_params(fields, None, max_tokens, limits, constraint)
+    ids = render_messages(
+        input_messages(request),
+        tokenizer,
+        tools=list(tools.tools) if tools is not None and tools.tools else None,
+        param="input",
+    )
     if not ids:
         raise bad_request("input rendered to an empty prompt", param="input")
     prompt = PromptInput(ids, "")
@@ -112,12 +86,22 @@ def plan_response(
         prompt_param="input",
     )
     return GenerationPlan(
-        requests=requests, prompts=(prompt,), n=1, stream=request.stream, include_usage=False
+        requests=requests,
+        prompts=(prompt,),
+        n=1,
+        stream=request.stream,
+        include_usage=False,
+        tools=tools,
     )
 
 
 class ResponsesShaper:
-    """One response object and its stream events; the `Shaper` of /v1/responses."""
+    """One response object and its stream events; the `Shaper` of /v1/responses.
+
+    Output items, in order: the message (unless the reply is calls alone), then one
+    `function_call` per call read. The whole response and the stream's closing events
+    come from the same `output`, so the two agree; call ids are made once per index.
+    """
 
     def __init__(
         self, plan: GenerationPlan, request: ResponsesRequest, model: str, response_id: str
@@ -130,19 +114,102 @@ class ResponsesShaper:
         self.created_at = int(time.time())
         self.text = ""
         self.finish_reason: str | None = None
+        tools = plan.tools
+        self.reader = ToolCallReader(tools) if tools is not None and tools.reads_calls else None
+        self.named = tools.function if tools is not None and tools.choice == "named" else None
+        self._message_open = False  # streamed: the message's added events went out
+        self._streamed = 0  # characters of the message's text streamed
+        self._call_ids: list[tuple[str, str]] = []  # (item id, call_id) per call index
 
     @property
     def incomplete(self) -> bool:
         return self.finish_reason == "length"
 
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.incomplete else "completed"
+
+    def apply(self, item: PromptDelta) -> None:
+        """Fold a delta in (the whole response's path; a stream asks `events`)."""
+        self.text += item.delta.text
+        if item.delta.finish_reason is not None:
+            self.finish_reason = item.delta.finish_reason
+
     # --- streamed events ------------------------------------------------------------
 
     def opening(self) -> list[dict[str, Any]]:
-        """Events before any token: the response, then its (empty) message and text part."""
+        """Events before any token: the response, then the item that streams (the message,
+        or a named function's call), if one does."""
         start = self.response_object(None, status="in_progress")
-        return [
+        events: list[dict[str, Any]] = [
             {"type": "response.created", "response": start},
             {"type": "response.in_progress", "response": start},
+        ]
+        if self.reader is None:
+            events += self._open_message()
+        elif self.named is not None:
+            call = self._call_item(0, ParsedCall(self.named, ""), "in_progress")
+            events.append({"type": "response.output_item.added", "output_index": 0, "item": call})
+        return events
+
+    def events(self, item: PromptDelta) -> list[dict[str, Any]]:
+        """Fold a delta in; the events it streams: text, a named function's arguments, or
+        the text a tool parser says no call can start in (the rest waits for `closing`)."""
+        self.apply(item)
+        text = item.delta.text
+        if self.reader is None:
+            return [self._text_delta(text)] if text else []
+        if self.named is not None:
+            return [self._arguments_delta(0, text)] if text else []
+        released, _ = self.reader.step(self.text, None)
+        content = released.get("content")
+        return [*self._open_message(), self._text_delta(content)] if content else []
+
+    def closing(self, completion_tokens: int) -> list[dict[str, Any]]:
+        """Events after the last token: each item's rest and done events, then the response."""
+        events: list[dict[str, Any]] = []
+        for index, item in enumerate(self.output(self.status)):
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                events += self._open_message()
+                if text[self._streamed :]:
+                    events.append(self._text_delta(text[self._streamed :]))
+                where = {"item_id": self.message_id, "output_index": index, "content_index": 0}
+                events += [
+                    {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
+                    {"type": "response.content_part.done", **where, "part": _text_part(text)},
+                ]
+            else:
+                arguments = item["arguments"]
+                if self.named is None:  # read at the end: added, then its arguments whole
+                    added = {**item, "arguments": "", "status": "in_progress"}
+                    events.append(
+                        {"type": "response.output_item.added", "output_index": index, "item": added}
+                    )
+                    if arguments:
+                        events.append(self._arguments_delta(index, arguments))
+                events.append(
+                    {
+                        "type": "response.function_call_arguments.done",
+                        "item_id": item["id"],
+                        "output_index": index,
+                        "arguments": arguments,
+                    }
+                )
+            done = {"type": "response.output_item.done", "output_index": index, "item": item}
+            events.append(done)
+        return [*events, self.usage_chunk(completion_tokens)]
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        """The `Shaper` protocol's; usage reaches a stream inside response.completed."""
+        return {"type": "response.completed", "response": self.response(completion_tokens)}
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        """The message's added events, once (the message is output item 0)."""
+        if self._message_open:
+            return []
+        self._message_open = True
+        return [
             {
                 "type": "response.output_item.added",
                 "output_index": 0,
@@ -157,48 +224,59 @@ class ResponsesShaper:
             },
         ]
 
-    def apply(self, item: PromptDelta) -> dict[str, Any] | None:
-        """Fold a delta in; its response.output_text.delta event when it carries text."""
-        delta = item.delta
-        self.text += delta.text
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-        if not delta.text:
-            return None
+    def _text_delta(self, text: str) -> dict[str, Any]:
+        self._streamed += len(text)
         return {
             "type": "response.output_text.delta",
             "item_id": self.message_id,
             "output_index": 0,
             "content_index": 0,
-            "delta": delta.text,
+            "delta": text,
             "logprobs": [],
         }
 
-    def closing(self, completion_tokens: int) -> list[dict[str, Any]]:
-        """Events after the last token: the text, part and message done, then the response."""
-        status = "incomplete" if self.incomplete else "completed"
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        return [
-            {"type": "response.output_text.done", **where, "text": self.text, "logprobs": []},
-            {"type": "response.content_part.done", **where, "part": _text_part(self.text)},
-            {
-                "type": "response.output_item.done",
-                "output_index": 0,
-                "item": self.message(self.text, status=status),
-            },
-            {"type": "response.completed", "response": self.response(completion_tokens)},
-        ]
+    def _arguments_delta(self, index: int, arguments: str) -> dict[str, Any]:
+        return {
+            "type": "response.function_call_arguments.delta",
+            "item_id": self._ids(index)[0],
+            "output_index": index,
+            "delta": arguments,
+        }
 
-    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        """The `Shaper` protocol's; usage reaches a stream inside response.completed."""
-        return self.closing(completion_tokens)[-1]
+    # --- output items -------------------------------------------------------------------
+
+    def output(self, status: str) -> list[dict[str, Any]]:
+        """The finished output's items: the message and the calls read from it."""
+        if self.reader is None:
+            return [self.message(self.text, status=status)]
+        parsed = self.reader.read(self.text)
+        items = []
+        if parsed.content is not None or not parsed.calls:
+            items.append(self.message(parsed.content or "", status=status))
+        items += [self._call_item(i, call, status) for i, call in enumerate(parsed.calls)]
+        return items
+
+    def _ids(self, index: int) -> tuple[str, str]:
+        while len(self._call_ids) <= index:
+            self._call_ids.append((f"fc_{uuid.uuid4().hex}", f"call_{uuid.uuid4().hex}"))
+        return self._call_ids[index]
+
+    def _call_item(self, index: int, call: ParsedCall, status: str) -> dict[str, Any]:
+        item_id, call_id = self._ids(index)
+        return {
+            "id": item_id,
+            "type": "function_call",
+            "call_id": call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": status,
+        }
 
     # --- the response object ------------------------------------------------------------
 
     def response(self, completion_tokens: int) -> dict[str, Any]:
         """The whole response object (the body, and response.completed's `response`)."""
-        status = "incomplete" if self.incomplete else "completed"
-        return self.response_object(completion_tokens, status=status)
+        return self.response_object(completion_tokens, status=self.status)
 
     def message(self, text: str, *, status: str) -> dict[str, Any]:
         content = [_text_part(text)] if status != "in_progress" else []
@@ -214,6 +292,7 @@ class ResponsesShaper:
         """The response in `status`; `completion_tokens` None while it is in progress."""
         done = completion_tokens is not None
         request = self.request
+        text_format = request.text.format if request.text is not None else None
         return {
             "id": self.id,
             "object": "response",
@@ -227,15 +306,15 @@ class ResponsesShaper:
             "max_output_tokens": request.max_output_tokens,
             "metadata": request.metadata or {},
             "model": self.model,
-            "output": [self.message(self.text, status=status)] if done else [],
+            "output": self.output(status) if done else [],
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "store": False,
             "temperature": 1.0 if request.temperature is None else request.temperature,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "auto" if request.tool_choice is None else request.tool_choice,
-            "tools": [],
+            "text": {"format": text_format.echo() if text_format else {"type": "text"}},
+            "tool_choice": _tool_choice(request),
+            "tools": [tool.model_dump() for tool in request.tools or ()],
             "top_p": 1.0 if request.top_p is None else request.top_p,
             "truncation": "disabled",
             "usage": self.usage(completion_tokens) if completion_tokens is not None else None,
@@ -253,6 +332,13 @@ class ResponsesShaper:
         }
 
 
+def _tool_choice(request: ResponsesRequest) -> str | dict[str, Any]:
+    choice = request.tool_choice
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
+
+
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -268,9 +354,8 @@ async def stream_events(generation: Generation, shaper: ResponsesShaper) -> Asyn
         for event in shaper.opening():
             yield events.encode(event)
         async for item in generation.deltas():
-            piece = shaper.apply(item)
-            if piece is not None:
-                yield events.encode(piece)
+            for event in shaper.events(item):
+                yield events.encode(event)
         for event in shaper.closing(generation.completion_tokens):
             yield events.encode(event)
     except APIError as error:

@@ -14,8 +14,10 @@ ask for a constraint and the rule that a request asks for at most one:
 - the `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields vLLM
   removed, read as the matching `structured_outputs` entry, so older clients keep
   their constraint instead of having it dropped;
-- chat's `tool_choice` "required" or a named function, constrained to the schema
-  server.tools gives (vLLM's behaviour).
+- chat's and the Responses API's `tool_choice` "required" or a named function,
+  constrained to the schema server.tools gives (vLLM's behaviour);
+- the Responses API's `text.format`: `{"type": "json_object"}` or `{"type":
+  "json_schema", "name", "schema", "strict"}` (flat; enforced either way).
 
 JSON is compact (no free whitespace), so a model cannot pad its budget with blanks.
 """
@@ -28,7 +30,7 @@ from typing import Any
 from engine.types import TokenConstraint
 from server.backend import ModelLimits, TokenizerClient
 from server.errors import bad_request
-from server.protocol import SamplingFields
+from server.protocol import ResponsesTextFormat, SamplingFields
 from tokenization.grammar import GrammarError, GrammarSpec
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -57,6 +59,21 @@ def requested(
         value = getattr(request, field)
         if value is not None:
             asked.append((_structured({key: value}, field), field))
+    return _one(asked, tool_schema)
+
+
+def requested_by_response(
+    text_format: ResponsesTextFormat | None, tool_schema: dict[str, Any] | None = None
+) -> tuple[GrammarSpec, str] | None:
+    """The constraint a Responses request asks for (`text.format`, tool_choice), if any."""
+    spec = _text_format(text_format) if text_format is not None else None
+    return _one([(spec, "text")] if spec is not None else [], tool_schema)
+
+
+def _one(
+    asked: list[tuple[GrammarSpec, str]], tool_schema: dict[str, Any] | None
+) -> tuple[GrammarSpec, str] | None:
+    """The one constraint asked for, with tool_choice's; more than one is a 400."""
     if tool_schema is not None:
         asked.append((GrammarSpec.json_schema(tool_schema), "tool_choice"))
     if len(asked) > 1:
@@ -107,6 +124,21 @@ def _response_format(value: dict[str, Any]) -> GrammarSpec | None:
             param="response_format",
         )
     return GrammarSpec.json_schema(schema)
+
+
+def _text_format(value: ResponsesTextFormat) -> GrammarSpec | None:
+    if value.type == "text":
+        return None
+    if value.type == "json_object":
+        return GrammarSpec.json_schema(ANY_OBJECT)
+    if value.type != "json_schema":
+        raise bad_request(
+            f"text.format.type must be text, json_object or json_schema, got {value.type!r}",
+            param="text",
+        )
+    if value.json_schema is None:
+        raise bad_request("text.format.schema is required for json_schema", param="text")
+    return GrammarSpec.json_schema(value.json_schema)
 
 
 def _structured(value: Any, param: str = "structured_outputs") -> GrammarSpec:

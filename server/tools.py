@@ -1,6 +1,8 @@
-"""Tools on /v1/chat/completions: which calls a request allows, and reading them out.
+"""Tools on /v1/chat/completions and /v1/responses: which calls a request allows, and
+reading them out.
 
-Owns: `tool_choice` against `tools` (vLLM's rules, each failure a 400), tools and
+Owns: `tool_choice` against `tools` (vLLM's rules, each failure a 400; the Responses
+API's flat function tools and `{"type": "function", "name"}` read as chat's), tools and
 earlier tool calls as chat templates read them, the JSON schema a reply must follow
 (`tool_choice_schema`), and each choice's `ToolCallReader`, which turns the generated
 text into `message.tool_calls` and, streaming, into OpenAI's tool-call deltas.
@@ -29,7 +31,16 @@ from typing import Any, Literal
 
 from server.config import ServerConfig
 from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, ChatTool, MessageToolCall, NamedToolChoice
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatTool,
+    FunctionDefinition,
+    FunctionName,
+    MessageToolCall,
+    NamedToolChoice,
+    ResponsesRequest,
+    ToolChoice,
+)
 from server.tool_parsers import PARSERS, ParsedCall, ParsedOutput, ToolParser, parse_required
 
 AUTO_FLAGS = "--enable-auto-tool-choice and --tool-call-parser"
@@ -58,14 +69,79 @@ def tool_dicts(tools: Sequence[ChatTool] | None) -> list[dict[str, Any]] | None:
 
 
 def plan_tools(request: ChatCompletionRequest, config: ServerConfig) -> ToolPlan | None:
-    """The request's use of tools (None: it gives none); a 400 names what is wrong."""
-    tools, choice = request.tools, request.tool_choice
+    """The chat request's use of tools (None: it gives none); a 400 names what is wrong."""
+    return plan_tool_use(request.tools, request.tool_choice, request.parallel_tool_calls, config)
+
+
+def plan_response_tools(request: ResponsesRequest, config: ServerConfig) -> ToolPlan | None:
+    """A Responses request's use of tools, by chat's rules once its tools are read as chat's.
+
+    No tools and tool_choice auto (OpenAI's default) is no tools, not a 400.
+    """
+    if not request.tools and request.tool_choice in (None, "none", "auto"):
+        return None
+    return plan_tool_use(
+        response_tools(request),
+        response_tool_choice(request),
+        request.parallel_tool_calls,
+        config,
+    )
+
+
+def response_tools(request: ResponsesRequest) -> list[ChatTool] | None:
+    """Responses function tools as chat's; any other tool type is a 400."""
+    if request.tools is None:
+        return None
+    out = []
+    for index, tool in enumerate(request.tools):
+        where = f"tools[{index}]"
+        if tool.type != "function":
+            raise bad_request(
+                f"{where}: tools of type {tool.type!r} are not supported (only function tools)",
+                param="tools",
+                code="unsupported",
+            )
+        if not tool.name:
+            raise bad_request(f"{where}.name is required", param="tools")
+        function = FunctionDefinition(
+            name=tool.name,
+            description=tool.description,
+            parameters=tool.parameters,
+            strict=tool.strict,
+        )
+        out.append(ChatTool(function=function))
+    return out
+
+
+def response_tool_choice(request: ResponsesRequest) -> ToolChoice | None:
+    """`{"type": "function", "name": f}` as chat's named choice; other types are a 400."""
+    choice = request.tool_choice
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.type != "function":
+        raise bad_request(
+            f"tool_choice of type {choice.type!r} is not supported (only function)",
+            param="tool_choice",
+            code="unsupported",
+        )
+    if not choice.name:
+        raise bad_request("tool_choice.name is required", param="tool_choice")
+    return NamedToolChoice(function=FunctionName(name=choice.name))
+
+
+def plan_tool_use(
+    tools: Sequence[ChatTool] | None,
+    choice: ToolChoice | None,
+    parallel_tool_calls: bool | None,
+    config: ServerConfig,
+) -> ToolPlan | None:
+    """The use of `tools` under `choice` (None: there are none); a 400 names what is wrong."""
     if tools is None:
         if choice not in (None, "none"):
             raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
         return None
     dicts = tuple(tool_dicts(tools) or ())
-    single = request.parallel_tool_calls is False
+    single = parallel_tool_calls is False
     if isinstance(choice, NamedToolChoice):
         names = [tool.function.name for tool in tools]
         if choice.function.name not in names:

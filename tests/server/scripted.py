@@ -18,6 +18,20 @@ from engine.request import ActiveRequest, Delta, RequestFailed, RequestStream
 from server.backend import Backend, ModelLimits
 from tokenization import Tokenizer
 
+# A Hermes-style template: the tools, earlier calls (arguments as objects) and tool replies.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\nTools:{% for tool in tools %} "
+    "{{ tool.function.name }}{{ (tool.function.parameters or {}) | tojson }}{% endfor %}"
+    "{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}<|{{ message.role }}|>\n"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}"
+    "{% elif message.role == 'tool' %}[{{ message.tool_call_id }}] {{ message.content }}"
+    "{% else %}{{ message.content }}{% endif %}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 
 class RecordingTokenizer(Tokenizer):
     """The real tokenizer; `threads` holds the name of the thread of each call."""

@@ -18,22 +18,14 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.server.harness import MODEL_NAME, LiveServer, make_config, serve_in_thread
-from tests.server.scripted import ScriptedOrchestrator, delta, scripted_backend
+from tests.server.scripted import (
+    TOOL_TEMPLATE,
+    ScriptedOrchestrator,
+    delta,
+    scripted_backend,
+)
 from tokenization import Tokenizer
 
-# A Hermes-style template: the tools, earlier calls (arguments as objects) and tool replies.
-TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|system|>\nTools:{% for tool in tools %} "
-    "{{ tool.function.name }}{{ (tool.function.parameters or {}) | tojson }}{% endfor %}"
-    "{{ eos_token }}\n{% endif %}"
-    "{% for message in messages %}<|{{ message.role }}|>\n"
-    "{% if message.tool_calls %}{% for call in message.tool_calls %}<tool_call>"
-    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}"
-    "</tool_call>{% endfor %}"
-    "{% elif message.role == 'tool' %}[{{ message.tool_call_id }}] {{ message.content }}"
-    "{% else %}{{ message.content }}{% endif %}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}},
@@ -71,7 +63,7 @@ class Scripted:
 def scripted(tiny_checkpoint: Path) -> Iterator[Scripted]:
     orchestrator = ScriptedOrchestrator()
     backend, tokenizer = scripted_backend(
-        tiny_checkpoint, orchestrator, chat_template=TEMPLATE, max_model_len=1024
+        tiny_checkpoint, orchestrator, chat_template=TOOL_TEMPLATE, max_model_len=1024
     )
     config = make_config(tiny_checkpoint, enable_auto_tool_choice=True, tool_call_parser="hermes")
     with serve_in_thread(config, loader=lambda: backend) as server:
@@ -82,7 +74,7 @@ def scripted(tiny_checkpoint: Path) -> Iterator[Scripted]:
 def no_parser(tiny_checkpoint: Path) -> Iterator[Scripted]:
     orchestrator = ScriptedOrchestrator()
     backend, tokenizer = scripted_backend(
-        tiny_checkpoint, orchestrator, chat_template=TEMPLATE, max_model_len=1024
+        tiny_checkpoint, orchestrator, chat_template=TOOL_TEMPLATE, max_model_len=1024
     )
     with serve_in_thread(make_config(tiny_checkpoint), loader=lambda: backend) as server:
         yield Scripted(server, orchestrator, tokenizer)
