@@ -174,6 +174,7 @@ class GenerateStage:
                 continue
             slot = heapq.heappop(self._free)
             self._state = self._engine.insert(done.prefix, self._state, slot)
+            self._clock.busy()
             lease = self._next_lease
             self._next_lease += 1
             occupant = _Occupant(lease, done.job, tokens=1)

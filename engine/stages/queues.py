@@ -182,6 +182,13 @@ class StepClock:
             self._tokens = tokens
             self._cond.notify_all()
 
+    def busy(self) -> None:
+        """A slot was filled: a step is coming, so a chunk waits for it (before the first
+        step of a batch, a chunk that found decoding idle went on at once, and the first
+        chunks of a long prompt ran back to back)."""
+        with self._cond:
+            self._busy = True
+
     def idle(self) -> None:
         """No slot is busy: nobody waits for a step that will not come."""
         with self._cond:

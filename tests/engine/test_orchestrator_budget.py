@@ -20,8 +20,8 @@ class MiscountingStream:
     def tokens(self) -> int:
         return self._inner.tokens - 1
 
-    def add(self, token_id: int, *, last: bool = False):  # type: ignore[no-untyped-def]
-        return self._inner.add(token_id, last=last)
+    def add(self, token_id: int, *, last: bool = False, done: bool = False):  # type: ignore[no-untyped-def]
+        return self._inner.add(token_id, last=last, done=done)
 
 
 def finish(stream: RequestStream) -> tuple[int, str | None]:
