@@ -94,7 +94,7 @@ class OrchestratorStats:
     draining: bool
     generate_steps: int = 0
     cache: CacheStats = CacheStats()
-    transfer_queue_depth: int = 0  # disaggregated: prefilled samples waiting to be moved
+    transfer_queue_depth: int | None = None  # disaggregated: samples waiting to be moved
 
 
 class Orchestrator:
@@ -310,7 +310,7 @@ class Orchestrator:
             draining=self._draining,
             generate_steps=self._generate.steps,
             cache=self._prefill_engine.cache_stats(),  # the prefix cache is prefill's
-            transfer_queue_depth=0 if self._transfer is None else self._transfer.depth,
+            transfer_queue_depth=None if self._transfer is None else self._transfer.depth,
         )
 
     # internals

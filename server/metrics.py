@@ -78,7 +78,8 @@ class _StatsCollector(Collector):
         )
         if stats is not None:
             depth.add_metric(name + ["prefill"], stats.prefill_queue_depth)
-            depth.add_metric(name + ["transfer"], stats.transfer_queue_depth)
+            if stats.transfer_queue_depth is not None:  # disaggregated mode only
+                depth.add_metric(name + ["transfer"], stats.transfer_queue_depth)
             depth.add_metric(name + ["detokenize"], stats.detokenize_queue_depth)
             cache = stats.cache
             for pool, size in (

@@ -1,8 +1,9 @@
 """Disaggregated mode on the real engine: prefill on CPU devices 0-1, generate on 2-3.
 
-Each engine holds its own params on its own tensor-parallel mesh; the transfer
-stage moves every prefix's KV between them. Greedy outputs must equal those of
-one interleaved engine on one device, for 3 x slots requests at once.
+Each engine holds its own params on its own tensor-parallel mesh and warms up its
+own part only; the transfer stage moves every prefix's KV between them. Serving
+then compiles nothing on either side, and greedy outputs equal those of one
+interleaved engine on one device, for 3 x slots requests at once.
 """
 
 from __future__ import annotations
@@ -12,86 +13,39 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import pytest
 
 from engine.engine import Engine, EngineConfig
 from engine.orchestrator import Orchestrator
 from engine.request import ActiveRequest
 from engine.stages.detokenize import text_streams
 from engine.types import SamplingParams
+from tests.engine.test_recompile import TRACE_EVENTS
 from tokenization import Tokenizer
 
 SLOTS = 4
 GREEDY = SamplingParams(temperature=0.0)
+# chunks of 32 past the largest bucket and a prefix cache: every prefill path
+SHAPES = {"max_slots": SLOTS, "max_model_len": 128, "prefill_buckets": (16, 32)}
+SHAPES |= {"prefill_chunk": 32, "prefix_cache_blocks": 8}
 
 
 def engine(folder: Path, devices: tuple[int, ...]) -> Engine:
-    return Engine(
-        EngineConfig(
-            folder,
-            max_slots=SLOTS,
-            max_model_len=96,
-            prefill_buckets=(64,),  # few shapes: three engines compile them, no warm-up
-            max_prefill_batch=1,
-            prefill_chunk=None,
-            tensor_parallel_size=len(devices),
-            devices=devices,
-        )
-    )
+    config = EngineConfig(folder, tensor_parallel_size=len(devices), devices=devices, **SHAPES)
+    return Engine(config)  # type: ignore[arg-type]
 
 
-def outputs(orchestrator: Orchestrator, cases: list[tuple[int, ...]]) -> list[list[int]]:
-    orchestrator.start()
-    try:
-        streams = [
-            orchestrator.submit(ActiveRequest(f"r{i}", p, GREEDY, max_tokens=12, ignore_eos=True))
-            for i, p in enumerate(cases)
-        ]
-        return [[t for d in s.collect(timeout=120) for t in d.token_ids] for s in streams]
-    finally:
-        orchestrator.stop()
-
-
-def test_prefill_and_generate_on_their_own_devices_give_the_interleaved_outputs(
-    tiny_checkpoint: Path,
-) -> None:
-    tokenizer = Tokenizer.from_folder(tiny_checkpoint)
-    streams = text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids)
-    rng = random.Random(3)
-    cases = [tuple(rng.randrange(3, 500) for _ in range(rng.randint(1, 64))) for _ in range(12)]
-    assert len(cases) == 3 * SLOTS
-    interleaved = outputs(Orchestrator(engine(tiny_checkpoint, (0,)), streams), cases)
-
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint: Path) -> tuple[Engine, Engine]:
     prefill, generate = engine(tiny_checkpoint, (0, 1)), engine(tiny_checkpoint, (2, 3))
-    moved: list[Any] = []
-    receive = generate.receive
-
-    def watched(prefix: Any) -> Any:
-        out = receive(prefix)
-        moved.append(out.cache[0][0])
-        return out
-
-    generate.receive = watched  # type: ignore[method-assign]
-    both = Orchestrator(generate, streams, prefill_engine=prefill)
-    assert outputs(both, cases) == interleaved
-    assert len(moved) == len(cases)
-    generate_devices = {d for d in jax.devices() if d.id in (2, 3)}
-    assert all(cache.sharding.device_set == generate_devices for cache in moved)
-    assert {d.id for d in prefill.params["embed"].sharding.device_set} == {0, 1}
-    assert {d.id for d in generate.params["embed"].sharding.device_set} == {2, 3}
-
-
-def test_each_engine_warms_its_own_part_and_serving_compiles_nothing(tiny_checkpoint_of):
-    """Prefill warms prefill only, generate inserting what the transfer delivers; then every
-    path (bucket, batch, chunks, a prefix-cache hit) compiles nothing on either side."""
-    from tests.engine.test_recompile import TRACE_EVENTS
-
-    folder = tiny_checkpoint_of("llama")
-    shapes = {"max_slots": 2, "max_model_len": 128, "prefill_buckets": (16, 32)}
-    shapes |= {"prefill_chunk": 32, "prefix_cache_blocks": 8}
-    prefill = Engine(EngineConfig(folder, tensor_parallel_size=2, devices=(0, 1), **shapes))
-    generate = Engine(EngineConfig(folder, tensor_parallel_size=2, devices=(2, 3), **shapes))
     prefill.warmup(generate=False)
     generate.warmup(prefill=False)
+    return prefill, generate
+
+
+def test_each_engine_warms_its_own_part_and_serving_compiles_nothing(pair) -> None:
+    """Every path (bucket, batch, chunks, a prefix-cache hit) compiles nothing afterwards."""
+    prefill, generate = pair
     events: list[str] = []
     recording = [True]
 
@@ -115,3 +69,44 @@ def test_each_engine_warms_its_own_part_and_serving_compiles_nothing(tiny_checkp
         recording[0] = False
     assert prefill.cache_stats().prefix_hits > 0
     assert events == []
+
+
+def outputs(orchestrator: Orchestrator, cases: list[tuple[int, ...]]) -> list[list[int]]:
+    orchestrator.start()
+    try:
+        streams = [
+            orchestrator.submit(ActiveRequest(f"r{i}", p, GREEDY, max_tokens=12, ignore_eos=True))
+            for i, p in enumerate(cases)
+        ]
+        return [[t for d in s.collect(timeout=120) for t in d.token_ids] for s in streams]
+    finally:
+        orchestrator.stop()
+
+
+def test_prefill_and_generate_on_their_own_devices_give_the_interleaved_outputs(
+    tiny_checkpoint: Path, pair: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = Tokenizer.from_folder(tiny_checkpoint)
+    streams = text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids)
+    rng = random.Random(3)
+    cases = [tuple(rng.randrange(3, 500) for _ in range(rng.randint(1, 90))) for _ in range(12)]
+    assert len(cases) == 3 * SLOTS
+    interleaved = outputs(Orchestrator(engine(tiny_checkpoint, (0,)), streams), cases)
+
+    prefill, generate = pair
+    moved: list[Any] = []
+    receive = generate.receive
+
+    def watched(prefix: Any) -> Any:
+        out = receive(prefix)
+        moved.append(out.cache[0][0])
+        return out
+
+    monkeypatch.setattr(generate, "receive", watched)
+    both = Orchestrator(generate, streams, prefill_engine=prefill)
+    assert outputs(both, cases) == interleaved
+    assert len(moved) == len(cases)
+    generate_devices = {d for d in jax.devices() if d.id in (2, 3)}
+    assert all(cache.sharding.device_set == generate_devices for cache in moved)
+    assert {d.id for d in prefill.params["embed"].sharding.device_set} == {0, 1}
+    assert {d.id for d in generate.params["embed"].sharding.device_set} == {2, 3}
