@@ -23,12 +23,13 @@ GREEDY = SamplingParams(temperature=0.0, seed=0)
 SEEDED = SamplingParams(temperature=0.8, top_k=20, seed=3, logprobs=2)
 PROMPTS = ([0, 42, 364, 78, 81, 277, 67], [5, 9, 300, 12], list(range(3, 40)))
 STEPS = 8
-# (arch, config overrides): GQA whose 2 kv heads 4 devices replicate; q/k/v biases;
-# tied embeddings with a vocabulary 4 devices cannot split (the head is then replicated).
+# (arch, config overrides, sizes): GQA, its 2 kv heads split by 2 devices and replicated
+# on 4; q/k/v biases; tied embeddings with a vocabulary 4 devices cannot split (the head is
+# then replicated).
 CASES = {
-    "llama": ("llama", {}),
-    "qwen2": ("qwen2", {}),
-    "tied-514": ("llama_tied", {"vocab_size": 514}),
+    "llama": ("llama", {}, (2, 4)),
+    "qwen2": ("qwen2", {}, (2,)),
+    "tied-514": ("llama_tied", {"vocab_size": 514}, (4,)),
 }
 
 
@@ -63,26 +64,19 @@ def run(engine: Engine) -> tuple[list[list[int]], np.ndarray]:
     return tokens, np.stack(logits)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def checkpoint(request: pytest.FixtureRequest, tiny_checkpoint_of: Any) -> Path:
-    arch, overrides = CASES[request.param]
-    return tiny_checkpoint_of(arch, **overrides)
-
-
-@pytest.fixture(scope="module")
-def one_device(checkpoint: Path) -> tuple[list[list[int]], np.ndarray]:
-    return run(small(checkpoint, 1))
-
-
 def test_four_cpu_devices_are_there():
     assert len(jax.devices()) >= 4
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_same_tokens_and_logits_as_one_device(checkpoint, one_device, tp):
-    tokens, logits = run(small(checkpoint, tp))
-    assert tokens == one_device[0]
-    np.testing.assert_allclose(logits, one_device[1], rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_tokens_and_logits_as_one_device(tiny_checkpoint_of, case):
+    arch, overrides, sizes = CASES[case]
+    checkpoint = tiny_checkpoint_of(arch, **overrides)
+    want_tokens, want_logits = run(small(checkpoint, 1))
+    for tp in sizes:
+        tokens, logits = run(small(checkpoint, tp))
+        assert tokens == want_tokens, tp
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
