@@ -20,7 +20,7 @@ from engine.orchestrator import Orchestrator
 from engine.request import ActiveRequest
 from engine.stages.detokenize import text_streams
 from engine.types import SamplingParams
-from tests.engine.test_recompile import TRACE_EVENTS
+from tests.engine.test_recompile import compile_events  # noqa: F401
 from tokenization import Tokenizer
 
 SLOTS = 4
@@ -43,32 +43,22 @@ def pair(tiny_checkpoint: Path) -> tuple[Engine, Engine]:
     return prefill, generate
 
 
-def test_each_engine_warms_its_own_part_and_serving_compiles_nothing(pair) -> None:
+def test_each_engine_warms_its_own_part_and_serving_compiles_nothing(pair, compile_events):  # noqa: F811
     """Every path (bucket, batch, chunks, a prefix-cache hit) compiles nothing afterwards."""
     prefill, generate = pair
-    events: list[str] = []
-    recording = [True]
-
-    def listener(event: str, duration: float, **_: object) -> None:
-        if recording[0] and event in TRACE_EVENTS:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        sampling = SamplingParams(temperature=0.7, seed=1)
-        prompts = [list(range(1, n)) for n in (3, 20, 33, 70, 100)] + [list(range(1, 60))]
-        prefixes = [prefill.prefill(p, sampling) for p in prompts]  # the last one: a hit
-        prefixes += prefill.prefill_batch([([1, 2, 3], sampling), ([4, 5], sampling)])
-        state = generate.init_state()
-        for i, prefix in enumerate(prefixes):
-            slot = i % 2
-            state = generate.insert(generate.receive(prefix), generate.free(state, slot), slot)
-            state, out = generate.generate(state, generate.decode_bucket(2))
-        jax.block_until_ready(out.tokens)
-    finally:
-        recording[0] = False
+    # the warm-up ran in the fixture, before compile_events started recording
+    sampling = SamplingParams(temperature=0.7, seed=1)
+    prompts = [list(range(1, n)) for n in (3, 20, 33, 70, 100)] + [list(range(1, 60))]
+    prefixes = [prefill.prefill(p, sampling) for p in prompts]  # the last one: a hit
+    prefixes += prefill.prefill_batch([([1, 2, 3], sampling), ([4, 5], sampling)])
+    state = generate.init_state()
+    for i, prefix in enumerate(prefixes):
+        slot = i % 2
+        state = generate.insert(generate.receive(prefix), generate.free(state, slot), slot)
+        state, out = generate.generate(state, generate.decode_bucket(2))
+    jax.block_until_ready(out.tokens)
     assert prefill.cache_stats().prefix_hits > 0
-    assert events == []
+    assert compile_events == []
 
 
 def outputs(orchestrator: Orchestrator, cases: list[tuple[int, ...]]) -> list[list[int]]:

@@ -18,6 +18,7 @@ from engine.checkpoint import load_params
 from engine.config import load_model_config, tensor_parallel
 from engine.engine import Engine, EngineConfig
 from engine.types import SamplingParams
+from tests.engine.test_recompile import compile_events  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 SEEDED = SamplingParams(temperature=0.8, top_k=20, seed=3, logprobs=2)
@@ -137,33 +138,26 @@ def test_each_shard_is_read_as_a_slice_of_the_checkpoint(tiny_checkpoint_of):
     np.testing.assert_array_equal(shards[0]["embed"], whole["embed"])
 
 
-def test_no_compile_after_warmup(tiny_checkpoint_of):
-    from tests.engine.test_recompile import TRACE_EVENTS
-
+@pytest.fixture(scope="module")
+def warmed_tp2(tiny_checkpoint_of: Any) -> Engine:
     engine = small(tiny_checkpoint_of("llama"), 2, max_prefill_batch=2)
     engine.warmup()
-    events: list[str] = []
-    recording = [True]
+    return engine
 
-    def listener(event: str, duration: float, **_: object) -> None:
-        if recording[0] and event in TRACE_EVENTS:
-            events.append(event)
 
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        state = engine.init_state()
-        for length in (1, 7, 16, 17, 40, 63):
-            prompt = [(5 * i) % 500 for i in range(length)]
-            prefix = engine.prefill(prompt, SEEDED, prompt_logprobs=length == 7)
-            slot = length % engine.max_slots
-            state = engine.insert(prefix, engine.free(state, slot), slot)
-            for batch in engine.decode_buckets:
-                state, out = engine.generate(state, batch)
-        engine.prefill_batch([(PROMPTS[0], GREEDY), (PROMPTS[1], SEEDED)])
-        jax.block_until_ready(out.tokens)
-    finally:
-        recording[0] = False
-    assert events == []
+def test_no_compile_after_warmup(warmed_tp2, compile_events):  # noqa: F811
+    engine = warmed_tp2
+    state = engine.init_state()
+    for length in (1, 7, 16, 17, 40, 63):
+        prompt = [(5 * i) % 500 for i in range(length)]
+        prefix = engine.prefill(prompt, SEEDED, prompt_logprobs=length == 7)
+        slot = length % engine.max_slots
+        state = engine.insert(prefix, engine.free(state, slot), slot)
+        for batch in engine.decode_buckets:
+            state, out = engine.generate(state, batch)
+    engine.prefill_batch([(PROMPTS[0], GREEDY), (PROMPTS[1], SEEDED)])
+    jax.block_until_ready(out.tokens)
+    assert compile_events == []
 
 
 @pytest.mark.parametrize(
