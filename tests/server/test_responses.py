@@ -22,6 +22,7 @@ import pytest
 from engine.request import RequestFailed
 from tests.server.harness import MODEL_NAME, LiveServer, make_config, serve_in_thread
 from tests.server.scripted import TOOL_TEMPLATE, ScriptedOrchestrator, delta, scripted_backend
+from tests.server.test_structured import BUDGET, PERSON
 from tokenization import Tokenizer
 
 INSTRUCTIONS = "Be brief."
@@ -39,18 +40,7 @@ EVENTS_AFTER = [
     "response.completed",
 ]
 
-BUDGET = 80  # with the chat prompt (~30 tokens) within the test server's 128
 ASK = "Describe a person."
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-    },
-    "required": ["name", "age", "pet"],
-    "additionalProperties": False,
-}
 PERSON_FORMAT = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
 JSON_SCHEMA = {"format": PERSON_FORMAT}
 JSON_OBJECT = {"format": {"type": "json_object"}}
