@@ -22,9 +22,10 @@ import numpy as np
 from jax import lax
 
 from engine.checkpoint import NP_DTYPES as DTYPES
-from engine.config import load_model_config, tensor_parallel
+from engine.config import ModelConfig, load_model_config, tensor_parallel
 from engine.mesh import default_mesh, mesh_of, place_params, replicated, split, state_shardings
 from engine.model import (
+    last_logits,
     logits_of,
     prefill_chunk_hidden,
     prefill_forward,
@@ -239,7 +240,10 @@ class Engine:
             self.prefill_buckets, config.max_prefill_batch, config.max_prefill_batch_tokens
         )
         self.max_prefill_batch = max((r for r, _ in self.prefill_batch_shapes), default=1)
-        self._prefill_many = jax.jit(functools.partial(self._prefill_many_impl, cfg=cfg))
+        self._product_rows = self._shared_row_kernel(cfg)
+        self._prefill_many = jax.jit(
+            functools.partial(self._prefill_many_impl, cfg=cfg, product_rows=self._product_rows)
+        )
         self.prefill_chunk = config.prefill_chunk if self._chunks_prompts(config) else None
         self.prefix_cache: PrefixPool | None = None
         self._piece_steps = self.prefill_chunk is not None or bool(config.prefix_cache_blocks)
@@ -342,6 +346,26 @@ class Engine:
             )
         return blocks
 
+    def _shared_row_kernel(self, cfg: ModelConfig) -> int:
+        """How many rows each prefill logits product takes (engine.model.last_logits): 2
+        when a row's logits have the same bits in a product of 2 rows and in one of every
+        batched prefill's row count, on these devices and params; else 1 (a product per
+        row). Measured, not assumed: a backend may pick its kernel by row count."""
+        if self.max_prefill_batch < 2:
+            return 1  # no batched prefill: one-row products are the fastest
+        counts = sorted({2, *(rows for rows, _ in self.prefill_batch_shapes)})
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((counts[-1], cfg.hidden_size)).astype(self.params["embed"].dtype)
+        product = jax.jit(functools.partial(last_logits, cfg=cfg, product_rows=2))
+        rows = jax.device_put(x, self._sharding)
+        want = np.asarray(product(self.params, rows[:1]))[0]
+        same = all(
+            np.array_equal(np.asarray(product(self.params, rows[:n]))[0], want) for n in counts
+        )
+        if not same:
+            logger.info("prefill logits: one product per row (row bits depend on row count)")
+        return 2 if same else 1
+
     def _chunks_prompts(self, config: EngineConfig) -> bool:
         """Chunking is on when asked for and some prompt would not fit the largest bucket."""
         longest = self.prefill_buckets[-1]
@@ -380,7 +404,9 @@ class Engine:
         cfg: Any,
         all_logits: bool,
     ) -> dict[str, Any]:
-        logits, k, v = prefill_forward(params, tokens, length, inv_freq, cfg, all_logits)
+        logits, k, v = prefill_forward(
+            params, tokens, length, inv_freq, cfg, all_logits, self._product_rows
+        )
         last = logits[length - 1] if all_logits else logits[0]
         out = {
             "k": k,
@@ -405,19 +431,30 @@ class Engine:
         eos_mask: jax.Array,
         *,
         cfg: Any,
+        product_rows: int,
     ) -> dict[str, Any]:
         """Several prompts (rows, bucket) at once: each row's KV, last logits and first token."""
         hidden = functools.partial(prefill_hidden, cfg=cfg)
         x, k, v = jax.vmap(hidden, in_axes=(None, 0, None))(params, tokens, inv_freq)
         last_x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # (rows, 1, h)
-        # One row at a time, as prefill alone computes it: a (rows, hidden) product takes
-        # another kernel than a one-row product, whose float32 sums differ in the last bits.
-        last = lax.map(lambda row: logits_of(params, row, cfg)[0], last_x)
+        last = last_logits(params, last_x[:, 0], cfg, product_rows)  # as prefill alone has it
         rows = tokens.shape[0]
         zero = jnp.zeros((rows,), jnp.int32)
         counts = jnp.zeros((rows, last.shape[-1]), jnp.int32)
         first = sample(last, sampling, zero, counts, zero, eos_mask)
-        return {"k": k, "v": v, "last_logits": last, "first": first}
+        # Split by row here, not on the host: eager slicing cost one dispatch per array
+        # (rows x (2 x layers + 5) of them), ~10% of the prefill thread's time at 32 slots.
+        return {
+            "rows": [
+                {
+                    "k": tuple(layer[row] for layer in k),
+                    "v": tuple(layer[row] for layer in v),
+                    "last_logits": last[row],
+                    "first": jax.tree.map(lambda a, row=row: a[row], first),
+                }
+                for row in range(rows)
+            ]
+        }
 
     def _chunk_impl(
         self,
@@ -449,7 +486,7 @@ class Engine:
             out["prompt_top"] = top_logprobs(logprobs)
         if last:
             row = lax.dynamic_slice_in_dim(x, index, 1, axis=0)
-            final = logits_of(params, row, cfg)[0]
+            final = last_logits(params, row, cfg, self._product_rows)[0]
             out["last_logits"] = final
             out["first"] = self._sample_first(final, sampling, eos_mask)
         return out
@@ -644,19 +681,18 @@ class Engine:
         out = self._prefill_many(
             self.params, padded, true_lengths, stacked, self._inv_freq, self._eos_mask
         )
-        first = out["first"]
         prefixes = [
             Prefix(
-                length=lengths[row],
+                length=length,
                 sampling=sampling,
-                token=first.token[row],
-                logprob=first.logprob[row],
-                top_ids=first.top_ids[row],
-                top_logprobs=first.top_logprobs[row],
-                cache=(tuple(k[row] for k in out["k"]), tuple(v[row] for v in out["v"])),
-                last_logits=out["last_logits"][row],
+                token=piece["first"].token,
+                logprob=piece["first"].logprob,
+                top_ids=piece["first"].top_ids,
+                top_logprobs=piece["first"].top_logprobs,
+                cache=(piece["k"], piece["v"]),
+                last_logits=piece["last_logits"],
             )
-            for row, (_, sampling) in enumerate(prompts)
+            for length, (_, sampling), piece in zip(lengths, prompts, out["rows"], strict=False)
         ]
         if self.prefix_cache is not None:  # prompts batched together look nothing up
             for (ids, _), prefix in zip(prompts, prefixes, strict=True):

@@ -37,9 +37,15 @@ from engine.request import (
 from engine.stages.detokenize import DetokenizeStage, TextStreamFactory
 from engine.stages.faults import Fault, FaultPlan
 from engine.stages.generate import GenerateStage
-from engine.stages.messages import CancelJob, DetokenizeMessage, GenerateMessage, Job
+from engine.stages.messages import (
+    CancelJob,
+    DetokenizeMessage,
+    GenerateMessage,
+    Job,
+    SlotAssigned,
+)
 from engine.stages.prefill import PrefillStage, PrefixSink
-from engine.stages.queues import AdmissionQueue, Credits, StepClock
+from engine.stages.queues import AdmissionQueue, Credits, FirstTokensAhead, StepClock
 from engine.stages.transfer import TransferStage
 from engine.types import CacheStats, EngineProtocol
 
@@ -63,11 +69,12 @@ _MAX_RETRY_AFTER_S = 60.0  # clients (the openai SDK among them) ignore longer w
 @dataclass(frozen=True)
 class OrchestratorConfig:
     max_queued_samples: int = 256  # admission bound in samples; beyond it submit raises Overloaded
-    prefill_queue_size: int = 4  # prefilled samples waiting for a slot (device memory)
-    # Generate steps the detokenize stage may lag behind. Every step queued here delays a
-    # newly inserted sample's first token (it is read after them) and the insert itself (it
-    # runs on the device after them): at 16 busy slots of the 70m-128k model, insert to first
-    # token took 261-296 ms with 8 and 57-61 ms with 1, at the same tokens/s (bench note).
+    # Prefilled samples waiting for a slot (device memory). At least a full prefill batch
+    # (EngineConfig.max_prefill_batch, 8): with 4, half of a batch of 8 waited for the
+    # generate stage to insert the other half before the next prompts could be prefilled.
+    prefill_queue_size: int = 8
+    # Generate steps the detokenize stage may lag behind. A new sample's first token goes
+    # ahead of them (FirstTokensAhead); its insert still runs on the device after them.
     detokenize_queue_size: int = 2
     fault_injection: str | None = None  # test hook: "prefill" | "generate" | "detokenize",
     # optionally "stage:after=N" (raise on the (N+1)-th unit of work)
@@ -131,8 +138,8 @@ class Orchestrator:
         self._admission = AdmissionQueue(self.config.max_queued_samples)
         self._credits = Credits(self.config.prefill_queue_size)
         self._generate_inbox: queue.Queue[GenerateMessage] = queue.Queue()
-        self._detokenize_inbox: queue.Queue[DetokenizeMessage] = queue.Queue(
-            self.config.detokenize_queue_size
+        self._detokenize_inbox: FirstTokensAhead[DetokenizeMessage] = FirstTokensAhead(
+            self.config.detokenize_queue_size, lambda m: isinstance(m, SlotAssigned)
         )
         clock = StepClock()
         self._transfer: TransferStage | None = None

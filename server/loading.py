@@ -132,6 +132,8 @@ def load_backend(config: ServerConfig, followers: Sequence[Any] = ()) -> Backend
         text_streams(tokenizer.detokenizer, eos),
         OrchestratorConfig(
             max_queued_samples=config.max_queued_samples,
+            # room for a whole prefill batch between prefill and insert
+            prefill_queue_size=max(OrchestratorConfig.prefill_queue_size, config.max_prefill_batch),
             fault_injection=config.fault_injection,
         ),
         prefill_engine=prefill_engine,

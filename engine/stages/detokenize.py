@@ -2,10 +2,14 @@
 
 Runs on: the detokenize thread. Owns: each running sample's text stream
 (tokenization.TextStream: its detokenizer, stop matcher, token count and the
-rules that end it), and which sample each slot feeds
-as the token stream sees it. Receives: SlotAssigned, StepTokens (detokenize
-queue). Emits: Delta into request streams; ReleaseSlot to the generate inbox
-when a sample ends; a job to `on_done` when all its samples have ended.
+rules that end it), and which lease (slot occupancy) feeds each sample.
+A first token (SlotAssigned) arrives ahead of the steps queued before it
+(engine.stages.queues.FirstTokensAhead), so steps numbered before a sample's
+first step may still come, carrying the slot's previous occupant (or none):
+a sample takes tokens only from its own steps, found by step number and lease.
+Receives: SlotAssigned, StepTokens (detokenize queue). Emits: Delta into
+request streams; ReleaseSlot to the generate inbox when a sample ends; a job
+to `on_done` when all its samples have ended.
 
 This is where device values become host values (np.asarray), so the
 generate thread never waits on a copy.
@@ -32,7 +36,7 @@ from engine.stages.messages import (
     SlotAssigned,
     StepTokens,
 )
-from engine.stages.queues import get
+from engine.stages.queues import Channel, get
 from engine.types import SamplingParams, TokenLogprobs
 
 
@@ -92,6 +96,7 @@ class _Sample:
     index: int
     slot: int
     lease: int
+    first_step: int  # the first generate step that holds its tokens
     text: TextStream
 
 
@@ -104,7 +109,7 @@ class _Token:
 class DetokenizeStage:
     def __init__(
         self,
-        inbox: queue.Queue[DetokenizeMessage],
+        inbox: Channel[DetokenizeMessage],
         generate_inbox: queue.Queue[GenerateMessage],
         stop: threading.Event,
         fault: Fault,
@@ -118,7 +123,7 @@ class DetokenizeStage:
         self._fault = fault
         self._new_text_stream = new_text_stream
         self._on_done = on_done
-        self._by_slot: dict[int, _Sample] = {}
+        self._by_lease: dict[int, _Sample] = {}
         self._samples_left: dict[Job, int] = {}
 
     def run(self) -> None:
@@ -137,14 +142,10 @@ class DetokenizeStage:
             index=message.index,
             slot=message.slot,
             lease=message.lease,
+            first_step=message.first_step,
             text=self._new_text_stream(request, job.samplings[message.index]),
         )
-        previous = self._by_slot.get(message.slot)
-        if previous is not None:  # the generate stage reused a slot of a cancelled job
-            if not previous.job.cancelled.is_set():
-                raise RuntimeError(f"slot {message.slot} reassigned while still running")
-            self._drop(previous)
-        self._by_slot[message.slot] = sample
+        self._by_lease[message.lease] = sample
         self._samples_left.setdefault(job, request.n)
         if job.cancelled.is_set():
             self._drop(sample)
@@ -166,15 +167,17 @@ class DetokenizeStage:
 
     def _on_step(self, message: StepTokens) -> None:
         live: list[_Sample] = []
-        for slot, sample in list(self._by_slot.items()):
+        for sample in list(self._by_lease.values()):
             if sample.job.cancelled.is_set():
                 self._drop(sample)
-            elif message.leases[slot] != sample.lease:
-                raise RuntimeError(
-                    f"slot {slot} of running request {sample.job.request_id} was freed early"
-                )
-            else:
+            elif message.step < sample.first_step:
+                continue  # dispatched before this sample was inserted: not its token
+            elif message.leases[sample.slot] == sample.lease:
                 live.append(sample)
+            else:
+                raise RuntimeError(
+                    f"slot {sample.slot} of running request {sample.job.request_id} was freed early"
+                )
         if not live:
             return
         output = message.output
@@ -246,8 +249,8 @@ class DetokenizeStage:
         self._samples_left.pop(sample.job, None)
 
     def _unbind(self, sample: _Sample) -> None:
-        if self._by_slot.get(sample.slot) is sample:
-            del self._by_slot[sample.slot]
+        if self._by_lease.get(sample.lease) is sample:
+            del self._by_lease[sample.lease]
         self._generate_inbox.put(ReleaseSlot(sample.slot, sample.lease))
 
 

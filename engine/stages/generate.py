@@ -56,7 +56,7 @@ from engine.stages.messages import (
     SlotAssigned,
     StepTokens,
 )
-from engine.stages.queues import POLL_S, Credits, StepClock, put
+from engine.stages.queues import POLL_S, Channel, Credits, StepClock, put
 from engine.types import ConstraintMatcher, EngineProtocol
 
 Reject = Callable[[Job, Exception], None]  # fails one request, the others go on
@@ -87,7 +87,7 @@ class GenerateStage:
         self,
         engine: EngineProtocol,
         inbox: queue.Queue[GenerateMessage],
-        outbox: queue.Queue[DetokenizeMessage],
+        outbox: Channel[DetokenizeMessage],
         credits: Credits,
         stop: threading.Event,
         fault: Fault,
@@ -200,6 +200,7 @@ class GenerateStage:
                         None if prefix.prompt_logprobs is None else tuple(prefix.prompt_logprobs)
                     ),
                     last=last,
+                    first_step=self.steps,
                 ),
                 self._advance_grammar(prefix.token, [slot]),
             )
@@ -222,7 +223,7 @@ class GenerateStage:
                 spent.append(slot)
         constrained = [s for s, o in enumerate(self._slots) if o is not None and o.matcher]
         answer = self._advance_grammar(output.tokens, constrained) if constrained else None
-        self._emit(StepTokens(output, self._leases, frozenset(spent)), answer)
+        self._emit(StepTokens(output, self._leases, frozenset(spent), step=self.steps - 1), answer)
         self._clock.stepped(output.tokens)
         for slot in spent:
             self._free_slot(slot)

@@ -5,8 +5,10 @@ generate inbox:    GenerateMessage = PrefillDone | ReleaseSlot | CancelJob
 detokenize queue:  DetokenizeMessage = SlotAssigned | StepTokens
 
 A request's first token (from prefill) rides in SlotAssigned and its later
-tokens in StepTokens, both on the one detokenize queue, so they reach the
-detokenizer in order. A slot is named by a lease: a number the generate stage
+tokens in StepTokens, both on the one detokenize queue, which hands out
+SlotAssigned ahead of queued steps: a sample's first token still comes before
+its later ones (they ride in steps put after it), and older steps are told
+apart by their numbers. A slot is named by a lease: a number the generate stage
 gives each insertion, so a stale message about a slot's previous occupant
 can never touch the next one.
 """
@@ -97,6 +99,7 @@ class SlotAssigned:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None
     last: bool = False
     done: bool = False
+    first_step: int = 0  # the number of the first StepTokens that holds this sample
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class StepTokens:
     leases: tuple[int, ...]
     last: frozenset[int] = frozenset()
     done: frozenset[int] = frozenset()
+    step: int = 0  # steps are numbered from 0 in dispatch order
 
 
 DetokenizeMessage = SlotAssigned | StepTokens

@@ -11,7 +11,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import jax
 
@@ -23,7 +23,14 @@ T = TypeVar("T")
 POLL_S = 0.05  # how long a blocked stage waits before it looks at the stop event again
 
 
-def put(q: queue.Queue[T], item: T, stop: threading.Event) -> bool:
+class Channel(Protocol[T]):
+    """What the blocking helpers need of a queue: queue.Queue's put and get."""
+
+    def put(self, item: T, block: bool = True, timeout: float | None = None) -> None: ...
+    def get(self, block: bool = True, timeout: float | None = None) -> T: ...
+
+
+def put(q: Channel[T], item: T, stop: threading.Event) -> bool:
     """Put into a bounded queue, waiting for room; False if the orchestrator stopped first."""
     while not stop.is_set():
         try:
@@ -34,7 +41,7 @@ def put(q: queue.Queue[T], item: T, stop: threading.Event) -> bool:
     return False
 
 
-def get(q: queue.Queue[T], stop: threading.Event) -> T | None:
+def get(q: Channel[T], stop: threading.Event) -> T | None:
     """Take from a queue, waiting for an item; None if the orchestrator stopped first."""
     while not stop.is_set():
         try:
@@ -42,6 +49,53 @@ def get(q: queue.Queue[T], stop: threading.Event) -> T | None:
         except queue.Empty:
             continue
     return None
+
+
+class FirstTokensAhead(Generic[T]):
+    """The detokenize queue: generate steps in order, bounded; first tokens ahead of them.
+
+    `put` of a step waits while `size` steps are queued (the detokenize stage's lag).
+    A message for which `ahead(message)` holds (a SlotAssigned: a new sample's first
+    token) never waits and is taken before every queued step: it needs no device
+    work of theirs, and behind them it waited out each step's compute (two steps of
+    the 70m-128k model at 16 slots: ~100 ms of every time to first token). A sample's
+    later tokens cannot overtake its first: they ride in steps put after it. Steps
+    put before a sample was inserted reach the detokenize stage after it, which tells
+    them apart by their leases (engine.stages.detokenize).
+
+    The blocking calls have queue.Queue's signatures, so `put` and `get` above serve.
+    """
+
+    def __init__(self, size: int, ahead: Callable[[T], bool]):
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self._ahead = ahead
+        self._first: deque[T] = deque()
+        self._steps: deque[T] = deque()
+        self._cond = threading.Condition()
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._first) + len(self._steps)
+
+    def put(self, item: T, block: bool = True, timeout: float | None = None) -> None:
+        with self._cond:
+            if self._ahead(item):
+                self._first.append(item)
+            else:
+                if not self._cond.wait_for(lambda: len(self._steps) < self.size, timeout):
+                    raise queue.Full
+                self._steps.append(item)
+            self._cond.notify_all()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> T:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._first or self._steps, timeout):
+                raise queue.Empty
+            item = self._first.popleft() if self._first else self._steps.popleft()
+            self._cond.notify_all()
+            return item
 
 
 class Credits:

@@ -13,10 +13,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import engine.engine as engine_module
 from engine.fake import FakeEngine, FakeTokenizer, fake_token
+from engine.model import last_logits, logits_of
 from engine.orchestrator import Orchestrator
 from engine.request import ActiveRequest, RequestRejected
 from engine.stages.detokenize import text_streams
@@ -183,3 +186,34 @@ def test_a_bad_prompt_in_a_batch_fails_alone() -> None:
         wait_for(lambda: idle(o))
     finally:
         o.stop()
+
+
+def test_last_logits_keep_one_kind_of_product_per_mode(small_engine: Any) -> None:
+    engine = small_engine
+    cfg = engine.model_config
+    rows = jnp.asarray(np.random.default_rng(1).standard_normal((4, cfg.hidden_size)), jnp.float32)
+    per_row = np.asarray(last_logits(engine.params, rows, cfg, 1))
+    for i in range(4):  # mode 1: each row its own one-row product
+        alone = np.asarray(logits_of(engine.params, rows[i : i + 1], cfg))[0]
+        assert same(per_row[i], alone)
+    padded = np.asarray(last_logits(engine.params, rows[:1], cfg, 2))  # one row, padded to 2
+    two = np.asarray(logits_of(engine.params, rows[:2], cfg))
+    assert padded.shape == (1, cfg.vocab_size) and same(padded[0], two[0])
+
+
+def test_prefill_logits_fall_back_to_one_product_per_row_where_bits_depend_on_rows(
+    small_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine measures whether its backend keeps a row's bits across row counts; a
+    backend that does not (here: a product whose rounding depends on its row count) gets
+    one product per row, so a batched prompt still has the bits of the prompt alone."""
+    engine = small_engine
+    assert engine._shared_row_kernel(engine.model_config) == engine._product_rows
+    real = engine_module.last_logits
+
+    def rounding_by_row_count(params: Any, rows: Any, cfg: Any, product_rows: int) -> Any:
+        out = real(params, rows, cfg, product_rows)
+        return out + jnp.float32(1e-6) * max(rows.shape[0], product_rows)
+
+    monkeypatch.setattr(engine_module, "last_logits", rounding_by_row_count)
+    assert engine._shared_row_kernel(engine.model_config) == 1
