@@ -157,7 +157,7 @@ class Orchestrator:
             self._stop,
             reject=self._reject,
             fault=Fault("prefill", plan),
-            clock=clock if prefill_engine is None else StepClock(),  # never waits: own devices
+            clock=clock if prefill_engine is None else StepClock(prefill_first=False),
         )
         self._generate = GenerateStage(
             engine,

@@ -211,6 +211,7 @@ class GenerateStage:
         self._fault.tick()
         highest = max(slot for slot, occupant in enumerate(self._slots) if occupant is not None)
         batch = self._engine.decode_bucket(highest + 1)
+        self._clock.wait_prefills()  # prompts first: their first tokens wait for nothing else
         self._state, output = self._engine.generate(self._state, batch)
         self._flush()  # the previous step's held messages, settled: after the dispatch
         self.steps += 1

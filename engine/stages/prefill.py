@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import jax
+
 from engine.stages.faults import Fault
 from engine.stages.messages import Job, PrefillDone
 from engine.stages.queues import AdmissionQueue, Credits, StepClock
@@ -111,6 +113,13 @@ class PrefillStage:
                 for job in batch:
                     self._prefill([job])
             return
+        firsts = [prefix.token for prefix in prefixes]
+        self._clock.prefilled(firsts)
+        # Wait for the call before taking the next prompts: the ones arriving meanwhile then
+        # make one batch. Dispatching on at once, a burst that trickled in over HTTP went
+        # out as many calls of 1-2 prompts (a burst of 32 on the 70m-128k model: TTFT p50
+        # ~1.3 s in some runs, ~0.55 s in others).
+        jax.block_until_ready(firsts)
         ended = time.monotonic()
         for job, prefix in zip(batch, prefixes, strict=True):
             job.stream.timings.prefill_end = ended
