@@ -61,9 +61,10 @@ class FirstTokensAhead(Generic[T]):
     the 70m-128k model at 16 slots: ~100 ms of every time to first token). A sample's
     later tokens cannot overtake its first: they ride in steps put after it. Steps
     put before a sample was inserted reach the detokenize stage after it, which tells
-    them apart by their leases (engine.stages.detokenize).
+    them apart by their step numbers and leases (engine.stages.detokenize).
 
-    The blocking calls have queue.Queue's signatures, so `put` and `get` above serve.
+    The blocking calls have queue.Queue's signatures, so `put` and `get` above serve
+    (`block` is taken for that and not read: they always pass a timeout).
     """
 
     def __init__(self, size: int, ahead: Callable[[T], bool]):
