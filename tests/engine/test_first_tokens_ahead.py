@@ -21,7 +21,7 @@ from engine.stages.detokenize import TextStream, text_streams
 from engine.stages.queues import FirstTokensAhead
 from engine.types import SamplingParams
 
-SLOW_ADD_S = 0.05  # the running request's text path per token: far longer than a fake step
+SLOW_ADD_S = 0.2  # the running request's text path per token: far longer than a fake step
 
 
 def lane(size: int = 2) -> FirstTokensAhead[str]:
@@ -106,7 +106,7 @@ def test_a_new_request_gets_its_first_token_before_the_steps_queued_ahead_of_it(
     )
     orch.start()
     try:
-        slow = orch.submit(request("slow", (1, 2, 3), max_tokens=40))
+        slow = orch.submit(request("slow", (1, 2, 3), max_tokens=16))
         slow_deltas: list[Delta] = []
         for delta in slow:  # wait until the queue is full behind the slow text path
             slow_deltas.append(delta)
@@ -122,7 +122,7 @@ def test_a_new_request_gets_its_first_token_before_the_steps_queued_ahead_of_it(
         fake_token((4, 5), 0, i) for i in range(3)
     ]
     assert [t for d in slow_deltas for t in d.token_ids] == [
-        fake_token((1, 2, 3), 0, i) for i in range(40)
+        fake_token((1, 2, 3), 0, i) for i in range(16)
     ]
     inserted = new.timings.inserted
     first = new_deltas[0].emitted
