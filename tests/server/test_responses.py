@@ -22,7 +22,7 @@ import pytest
 from engine.request import RequestFailed
 from tests.server.harness import MODEL_NAME, LiveServer, make_config, serve_in_thread
 from tests.server.scripted import TOOL_TEMPLATE, ScriptedOrchestrator, delta, scripted_backend
-from tests.server.test_structured import BUDGET, PERSON
+from tests.server.test_structured import BUDGET, PERSON, WEATHER
 from tokenization import Tokenizer
 
 INSTRUCTIONS = "Be brief."
@@ -44,15 +44,6 @@ ASK = "Describe a person."
 PERSON_FORMAT = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
 JSON_SCHEMA = {"format": PERSON_FORMAT}
 JSON_OBJECT = {"format": {"type": "json_object"}}
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 14},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 ZONE = {
     "type": "object",
     "properties": {"zone": {"enum": ["UTC", "CET"]}},
