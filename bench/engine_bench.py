@@ -14,10 +14,12 @@ Two ratios are measured against a reference timed in the same loop, the two
 alternating call by call so that others' load falls on both alike:
 `step_over_lm_head`: each decode row's step against its own lm_head product
 alone ((slots, hidden) x (hidden, vocab), the model's unavoidable work on a
-large vocabulary); `light_load`: one busy slot on the largest engine against
-a 1-slot engine, both holding the same context (what decode batch buckets
-buy). Each ratio is the median over rounds of the two calls' ratio; `_best`
-ratios set the fastest call of each against the other.
+large vocabulary, by the engine's column tiles on CPU;
+`step_over_one_product_lm_head`: against that product in one call);
+`light_load`: one busy slot on the largest engine against a 1-slot engine,
+both holding the same context (what decode batch buckets buy). Each ratio is
+the median over rounds of the two calls' ratio; `_best` ratios set the
+fastest call of each against the other.
 The `128k` model is the issue's shape: hidden 256, 4 layers, Llama 3's 128,256
 -token vocabulary, ~68.6M parameters, ~90% of the step's FLOPs in the lm_head.
 """
@@ -42,7 +44,7 @@ from jax import lax  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.model import linear  # noqa: E402
+from engine.model import head_product  # noqa: E402
 from engine.tiny import build_llama_checkpoint, write_tiny_checkpoint  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
@@ -160,22 +162,30 @@ def interleaved(fns: dict[str, Any], rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def lm_head_product(engine: Engine, rows: int) -> Any:
-    """The engine's own (rows, hidden) x lm_head product, jitted alone, as a 0-arg callable."""
+def lm_head_product(engine: Engine, rows: int, tile: int | None = None) -> Any:
+    """The engine's own (rows, hidden) x lm_head product (by its tiles, or `tile` columns
+    a tile; 0: one product), jitted alone, as a 0-arg callable."""
     head = engine.params["lm_head"]
+    tile = engine.model_config.head_tile if tile is None else tile
     x = jnp.ones((rows, head.shape[0]), head.dtype)
-    product = jax.jit(lambda x, w: linear(x, w, preferred=jnp.float32))
+    product = jax.jit(lambda x, w: head_product(x, w, tile))
     product(x, head).block_until_ready()
     return lambda: product(x, head).block_until_ready()
 
 
 def bench_decode(engine: Engine, fill: int, steps: int, itemsize: int) -> dict[str, Any]:
     """Every slot holds a `fill`-token context; `steps` generate calls one by one, each
-    followed by the lm_head product alone at the same number of rows."""
+    followed by the lm_head product alone at the same number of rows, as the step runs it
+    and (`one_product_`) in one product."""
     times = interleaved(
-        {"step": Stepper(engine, fill), "head": lm_head_product(engine, engine.max_slots)}, steps
+        {
+            "step": Stepper(engine, fill),
+            "head": lm_head_product(engine, engine.max_slots),
+            "one": lm_head_product(engine, engine.max_slots, tile=0),
+        },
+        steps,
     )
-    step, head = times["step"], times["head"]
+    step, head, one = times["step"], times["head"], times["one"]
     step_s = float(np.median(step))
     contexts = [fill + 1 + steps // 2] * engine.max_slots
     flops, nbytes = decode_work(engine.model_config, contexts, itemsize)
@@ -188,6 +198,8 @@ def bench_decode(engine: Engine, fill: int, steps: int, itemsize: int) -> dict[s
         "best_lm_head_ms": min(head) * 1e3,
         "step_over_lm_head": float(np.median(np.array(step) / np.array(head))),
         "step_over_lm_head_best": min(step) / min(head),
+        "one_product_lm_head_ms": float(np.median(one)) * 1e3,
+        "step_over_one_product_lm_head": float(np.median(np.array(step) / np.array(one))),
         "tokens_per_s": engine.max_slots / step_s,
         "work_gflop": flops / 1e9,
         "work_mbytes": nbytes / 1e6,

@@ -50,6 +50,9 @@ class ModelConfig:
     # `kv_replicas` times when there are fewer kv heads than devices (vLLM's way).
     shards: int = 1
     kv_replicas: int = 1
+    # Columns per tile of the vocabulary product (engine.model.head_product); 0: one
+    # product. Set by the engine for its backend, not read from the checkpoint.
+    head_tile: int = 0
 
     @property
     def q_size(self) -> int:

@@ -85,6 +85,10 @@ class EngineConfig:
     # Devices: the first `tensor_parallel_size` of jax.devices(), or these ids (as many).
     tensor_parallel_size: int = 1
     devices: tuple[int, ...] | None = None
+    # Bytes of lm_head weight per tile of the vocabulary product at 2-64 rows
+    # (engine.model.head_product). None: HEAD_TILE_BYTES on the CPU backend when every
+    # device holds the whole head, else one product; 0: always one product.
+    lm_head_tile_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -112,6 +116,8 @@ class EngineConfig:
                 f"devices {list(self.devices)} must be tensor_parallel_size "
                 f"({self.tensor_parallel_size}) ids"
             )
+        if self.lm_head_tile_bytes is not None and self.lm_head_tile_bytes < 0:
+            raise ValueError(f"lm_head_tile_bytes must be >= 0, got {self.lm_head_tile_bytes}")
         if self.prefill_chunk is not None and self.prefill_chunk < MIN_BUCKET:
             raise ValueError(f"prefill_chunk must be >= {MIN_BUCKET}, got {self.prefill_chunk}")
         for name in ("max_prefill_batch", "max_prefill_batch_tokens"):
@@ -158,6 +164,31 @@ def prefill_batch_shapes(
         ]
         rows *= 2
     return tuple(sorted(shapes))
+
+
+# Weight bytes per tile of a tiled vocabulary product: 3-4 MiB tiles ran a 128k-column head
+# (hidden 256) and a 50k-column one (hidden 768) fastest at 4-32 rows on the 2-core
+# development machine (1 MiB L2 per core, 32 MiB L3); 6 MiB ones were slower again.
+HEAD_TILE_BYTES = 4 << 20
+
+
+def head_tile(config: EngineConfig, cfg: ModelConfig, mesh: Any) -> int:
+    """Columns per tile of the vocabulary product (ModelConfig.head_tile; 0: one product).
+
+    A CPU-backend choice: accelerators' matmuls get the whole head. A head split over
+    devices stays one product (its tiles would cut across the split).
+    """
+    budget = config.lm_head_tile_bytes
+    if budget is None:
+        cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
+        budget = HEAD_TILE_BYTES if cpu and cfg.head_shards == 1 else 0
+    if budget == 0:
+        return 0
+    if cfg.head_shards > 1:
+        raise ValueError("lm_head_tile_bytes needs the whole head on every device")
+    itemsize = np.dtype(DTYPES[config.dtype]).itemsize
+    columns = max(1, budget // (cfg.hidden_size * itemsize))
+    return 0 if columns >= cfg.vocab_size else columns
 
 
 def decode_buckets(max_slots: int) -> tuple[int, ...]:
@@ -213,6 +244,12 @@ class Engine:
         cfg = load_model_config(config.model_path)
         if config.tensor_parallel_size > 1:
             cfg = tensor_parallel(cfg, config.tensor_parallel_size)
+        self.mesh = (
+            mesh_of(config.devices)
+            if config.devices is not None
+            else default_mesh(config.tensor_parallel_size)
+        )
+        cfg = dataclasses.replace(cfg, head_tile=head_tile(config, cfg, self.mesh))
         self.model_config = cfg
         self.max_slots = config.max_slots
         self.max_model_len, self.prefill_buckets = resolve_shapes(
@@ -221,11 +258,6 @@ class Engine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.vocab_size = cfg.vocab_size
         self.dtype = DTYPES[config.dtype]
-        self.mesh = (
-            mesh_of(config.devices)
-            if config.devices is not None
-            else default_mesh(config.tensor_parallel_size)
-        )
         self._sharding = replicated(self.mesh)
         self.params = place_params(config.model_path, cfg, config.dtype, self.mesh)
         self._inv_freq = jax.device_put(cfg.rope_inv_freq(), self._sharding)
@@ -300,7 +332,7 @@ class Engine:
         }
         logger.info(
             "engine ready: %s, %d slots, max_model_len %d, buckets %s, prefill chunk %s, "
-            "device memory (bytes) %s, %s",
+            "device memory (bytes) %s, %s, lm_head tile %s columns",
             cfg.architecture,
             self.max_slots,
             self.max_model_len,
@@ -308,6 +340,7 @@ class Engine:
             self.prefill_chunk,
             self.memory,
             config.dtype,
+            cfg.head_tile or "none",
         )
 
     def _budgeted_blocks(self, decode_bytes: int, buffer_bytes: int) -> int:

@@ -298,8 +298,43 @@ def _softmax_attend(scores: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array
 def logits_of(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and vocabulary projection, float32 logits."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["lm_head"]
-    return linear(x, head, preferred=F32).astype(F32)
+    return head_product(x, params["lm_head"], cfg.head_tile)
+
+
+# Rows up to which the vocabulary product may go by column tiles (decode steps and prompts'
+# last positions); more rows (a prompt's logits at every position) were faster in one product.
+HEAD_TILE_MAX_ROWS = 64
+
+
+def head_product(x: jax.Array, head: jax.Array, tile: int = 0) -> jax.Array:
+    """x (..., hidden) times head (hidden, vocab) -> float32 logits (..., vocab).
+
+    tile > 0 (the CPU backend's choice, see EngineConfig.lm_head_tile_bytes): 2 to
+    HEAD_TILE_MAX_ROWS rows go through the vocabulary `tile` columns at a time in a
+    loop, each product written in place into the logits. XLA's CPU dot streamed a
+    128k-column head at 4-32 rows 15-35% slower in one product than in tiles of ~4 MiB
+    (measured on the 2-core development machine: hidden 256 x 128,256 and 768 x
+    50,257; bench/README.md). Every tile has the same shape (the last one overlaps
+    the one before), so a row's logits have the same bits at every row count the
+    tiled product serves whenever the backend's matrix kernel does (the engine
+    checks that at start: Engine._shared_row_kernel). One row stays one product: a
+    matrix-vector kernel, faster untiled.
+    """
+    rows = math.prod(x.shape[:-1])
+    vocab = head.shape[-1]
+    if tile <= 0 or tile >= vocab or not 2 <= rows <= HEAD_TILE_MAX_ROWS:
+        return linear(x, head, preferred=F32).astype(F32)
+    flat = x.reshape(rows, x.shape[-1])
+    count = -(-vocab // tile)
+    width = -(-vocab // count)  # equal tiles as wide as `tile` at most
+
+    def one_tile(i: jax.Array, out: jax.Array) -> jax.Array:
+        start = jnp.minimum(i * width, vocab - width)
+        part = lax.dynamic_slice_in_dim(head, start, width, axis=1)
+        return lax.dynamic_update_slice(out, linear(flat, part, preferred=F32), (0, start))
+
+    out = lax.fori_loop(0, count, one_tile, jnp.zeros((rows, vocab), F32))
+    return out.reshape(*x.shape[:-1], vocab)
 
 
 def last_logits(params: Params, rows: jax.Array, cfg: ModelConfig, product_rows: int) -> jax.Array:
