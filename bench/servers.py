@@ -76,8 +76,9 @@ def vllm(python: str, dtype: str = "float32") -> ServerSpec:
 
 def peer_from_template(name: str, template: str) -> ServerSpec:
     """A peer from a command template ('PY -m llama_cpp.server --port {port} ...'); ready when
-    /v1/models answers."""
-    return ServerSpec(name, tuple(shlex.split(template)), ready_path="/v1/models")
+    /ready answers 200, or, where there is no /ready, /v1/models (ours lists its model while
+    it is still loading; llama.cpp's server has no /ready)."""
+    return ServerSpec(name, tuple(shlex.split(template)), ready_path="/ready,/v1/models")
 
 
 def missing(spec: ServerSpec) -> str | None:
@@ -114,15 +115,25 @@ class Running:
 
 
 def wait_ready(base_url: str, path: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Until `path` answers 200; a comma list of paths: the first that is not a 404 decides."""
+    paths = path.split(",")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with code {process.returncode} while starting")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base_url + path, timeout=5).status_code == 200:
+            if _answers(base_url, paths):
                 return
         time.sleep(0.5)
     raise TimeoutError(f"server not ready after {timeout_s:g} s")
+
+
+def _answers(base_url: str, paths: list[str]) -> bool:
+    for path in paths:
+        status = httpx.get(base_url + path, timeout=5).status_code
+        if status != 404:
+            return status == 200
+    return False
 
 
 @contextlib.contextmanager

@@ -37,3 +37,37 @@ def test_started_waits_until_ready_and_stops_the_process(tmp_path: Path) -> None
         assert httpx.get(run.base_url + "/").status_code == 200
         process = run.process
     assert process.poll() is not None
+
+
+LOADING_SERVER = """
+import http.server, sys, time
+ready_at = time.monotonic() + float(sys.argv[2])
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/ready":
+            code = 200 if time.monotonic() >= ready_at else 503
+        else:
+            code = 200 if self.path == "/v1/models" else 404
+        self.send_response(code)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_peer_that_lists_its_model_while_loading_is_ready_only_at_ready(tmp_path: Path) -> None:
+    script = tmp_path / "loading.py"
+    script.write_text(LOADING_SERVER)
+    spec = servers.peer_from_template("p", f"{sys.executable} {script} {{port}} 3")
+    with servers.started(spec, tmp_path, "n", 1, 8, ready_timeout_s=60, log_dir=tmp_path) as run:
+        assert httpx.get(run.base_url + "/ready").status_code == 200
+        assert run.startup_s >= 2.5
+
+
+def test_a_peer_without_ready_is_ready_when_it_lists_models(tmp_path: Path) -> None:
+    script = tmp_path / "no_ready.py"
+    script.write_text(LOADING_SERVER.replace('self.path == "/ready"', "False"))
+    spec = servers.peer_from_template("p", f"{sys.executable} {script} {{port}} 0")
+    with servers.started(spec, tmp_path, "n", 1, 8, ready_timeout_s=60, log_dir=tmp_path) as run:
+        assert httpx.get(run.base_url + "/v1/models").status_code == 200
