@@ -85,7 +85,7 @@ class EngineConfig:
     # Devices: the first `tensor_parallel_size` of jax.devices(), or these ids (as many).
     tensor_parallel_size: int = 1
     devices: tuple[int, ...] | None = None
-    # Bytes of lm_head weight per tile of the vocabulary product at 2-64 rows
+    # Bytes of lm_head weight per tile of the vocabulary product at 2-32 rows
     # (engine.model.head_product). None: HEAD_TILE_BYTES on the CPU backend when every
     # device holds the whole head, else one product; 0: always one product.
     lm_head_tile_bytes: int | None = None

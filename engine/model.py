@@ -302,8 +302,9 @@ def logits_of(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 # Rows up to which the vocabulary product may go by column tiles (decode steps and prompts'
-# last positions); more rows (a prompt's logits at every position) were faster in one product.
-HEAD_TILE_MAX_ROWS = 64
+# last positions). At 64 rows tiles were 1.06-1.34x slower than one product (paired calls,
+# hidden 256 x 128,256 and 768 x 50,257), so 64-slot steps and whole prompts take one.
+HEAD_TILE_MAX_ROWS = 32
 
 
 def head_product(x: jax.Array, head: jax.Array, tile: int = 0) -> jax.Array:
@@ -312,9 +313,10 @@ def head_product(x: jax.Array, head: jax.Array, tile: int = 0) -> jax.Array:
     tile > 0 (the CPU backend's choice, see EngineConfig.lm_head_tile_bytes): 2 to
     HEAD_TILE_MAX_ROWS rows go through the vocabulary `tile` columns at a time in a
     loop, each product written in place into the logits. XLA's CPU dot streamed a
-    128k-column head at 4-32 rows 15-35% slower in one product than in tiles of ~4 MiB
-    (measured on the 2-core development machine: hidden 256 x 128,256 and 768 x
-    50,257; bench/README.md). Every tile has the same shape (the last one overlaps
+    128k-column head at 4-16 rows 10-35% slower in one product than in tiles of ~4 MiB,
+    a 50k-column one (hidden 768) at 2-32 rows 25-45% slower (paired calls on the 2-core
+    development machine; at 32 rows of the 128k head the runs disagreed, 0.94-1.23x;
+    bench/README.md). Every tile has the same shape (the last one overlaps
     the one before), so a row's logits have the same bits at every row count the
     tiled product serves whenever the backend's matrix kernel does (the engine
     checks that at start: Engine._shared_row_kernel). One row stays one product: a
