@@ -166,8 +166,8 @@ def prefill_batch_shapes(
     return tuple(sorted(shapes))
 
 
-# Weight bytes per tile of a tiled vocabulary product: 3-4 MiB tiles ran a 128k-column head
-# (hidden 256) and a 50k-column one (hidden 768) fastest at 4-32 rows on the 2-core
+# Weight bytes per tile of a tiled vocabulary product: of 1-8 MiB, 3-4 MiB tiles ran a
+# 128k-column head (hidden 256) and a 50k-column one (hidden 768) fastest on the 2-core
 # development machine (1 MiB L2 per core, 32 MiB L3); 6 MiB ones were slower again.
 HEAD_TILE_BYTES = 4 << 20
 

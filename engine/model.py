@@ -316,7 +316,7 @@ def head_product(x: jax.Array, head: jax.Array, tile: int = 0) -> jax.Array:
     128k-column head at 4-16 rows 10-35% slower in one product than in tiles of ~4 MiB,
     a 50k-column one (hidden 768) at 2-32 rows 25-45% slower (paired calls on the 2-core
     development machine; at 32 rows of the 128k head the runs disagreed, 0.94-1.23x;
-    bench/README.md). Every tile has the same shape (the last one overlaps
+    bench/README.md). Every tile has the same shape (the last one may overlap
     the one before), so a row's logits have the same bits at every row count the
     tiled product serves whenever the backend's matrix kernel does (the engine
     checks that at start: Engine._shared_row_kernel). One row stays one product: a
