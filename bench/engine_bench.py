@@ -13,9 +13,9 @@ the fastest step; the machine is shared, so the median carries others' load).
 Two ratios are measured against a reference timed in the same loop, the two
 alternating call by call so that others' load falls on both alike:
 `step_over_lm_head`: each decode row's step against its own lm_head product
-alone ((slots, hidden) x (hidden, vocab), the model's unavoidable work on a
-large vocabulary, by the engine's column tiles on CPU;
-`step_over_one_product_lm_head`: against that product in one call);
+alone (the model's unavoidable work on a large vocabulary, in the engine's layout:
+(vocab, hidden) x (slots, hidden)^T on CPU, engine.model.step_logits;
+`step_over_hidden_major_lm_head`: against (slots, hidden) x (hidden, vocab));
 `light_load`: one busy slot on the largest engine against a 1-slot engine,
 both holding the same context (what decode batch buckets buy). Each ratio is
 the median over rounds of the two calls' ratio; `_best` ratios set the
@@ -27,6 +27,7 @@ The `128k` model is the issue's shape: hidden 256, 4 layers, Llama 3's 128,256
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -44,7 +45,7 @@ from jax import lax  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
-from engine.model import head_product  # noqa: E402
+from engine.model import step_logits  # noqa: E402
 from engine.tiny import build_llama_checkpoint, write_tiny_checkpoint  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
@@ -162,26 +163,27 @@ def interleaved(fns: dict[str, Any], rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def lm_head_product(engine: Engine, rows: int, tile: int | None = None) -> Any:
-    """The engine's own (rows, hidden) x lm_head product (by its tiles, or `tile` columns
-    a tile; 0: one product), jitted alone, as a 0-arg callable."""
-    head = engine.params["lm_head"]
-    tile = engine.model_config.head_tile if tile is None else tile
-    x = jnp.ones((rows, head.shape[0]), head.dtype)
-    product = jax.jit(lambda x, w: head_product(x, w, tile))
-    product(x, head).block_until_ready()
-    return lambda: product(x, head).block_until_ready()
+def lm_head_product(engine: Engine, rows: int, vocab_major: bool | None = None) -> Any:
+    """The engine's own lm_head product of `rows` rows (engine.model.step_logits; or in
+    the layout `vocab_major` asks), jitted alone, as a 0-arg callable."""
+    cfg = engine.model_config
+    if vocab_major is not None:
+        cfg = dataclasses.replace(cfg, vocab_major_head=vocab_major)
+    x = jnp.ones((rows, cfg.hidden_size), engine.params["lm_head"].dtype)
+    product = jax.jit(lambda params, x: step_logits(params, x, cfg))
+    product(engine.params, x).block_until_ready()
+    return lambda: product(engine.params, x).block_until_ready()
 
 
 def bench_decode(engine: Engine, fill: int, steps: int, itemsize: int) -> dict[str, Any]:
     """Every slot holds a `fill`-token context; `steps` generate calls one by one, each
     followed by the lm_head product alone at the same number of rows, as the step runs it
-    and (`one_product_`) in one product."""
+    and (`hidden_major_`) as rows x (hidden, vocab)."""
     times = interleaved(
         {
             "step": Stepper(engine, fill),
             "head": lm_head_product(engine, engine.max_slots),
-            "one": lm_head_product(engine, engine.max_slots, tile=0),
+            "one": lm_head_product(engine, engine.max_slots, vocab_major=False),
         },
         steps,
     )
@@ -198,8 +200,8 @@ def bench_decode(engine: Engine, fill: int, steps: int, itemsize: int) -> dict[s
         "best_lm_head_ms": min(head) * 1e3,
         "step_over_lm_head": float(np.median(np.array(step) / np.array(head))),
         "step_over_lm_head_best": min(step) / min(head),
-        "one_product_lm_head_ms": float(np.median(one)) * 1e3,
-        "step_over_one_product_lm_head": float(np.median(np.array(step) / np.array(one))),
+        "hidden_major_lm_head_ms": float(np.median(one)) * 1e3,
+        "step_over_hidden_major_lm_head": float(np.median(np.array(step) / np.array(one))),
         "tokens_per_s": engine.max_slots / step_s,
         "work_gflop": flops / 1e9,
         "work_mbytes": nbytes / 1e6,

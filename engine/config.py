@@ -50,9 +50,10 @@ class ModelConfig:
     # `kv_replicas` times when there are fewer kv heads than devices (vLLM's way).
     shards: int = 1
     kv_replicas: int = 1
-    # Columns per tile of the vocabulary product (engine.model.head_product); 0: one
-    # product. Set by the engine for its backend, not read from the checkpoint.
-    head_tile: int = 0
+    # Decode steps' logits as (vocab, rows) products of a (vocab, hidden) head
+    # (engine.model.step_logits). Set by the engine for its backend, not read
+    # from the checkpoint.
+    vocab_major_head: bool = False
 
     @property
     def q_size(self) -> int:

@@ -85,10 +85,10 @@ class EngineConfig:
     # Devices: the first `tensor_parallel_size` of jax.devices(), or these ids (as many).
     tensor_parallel_size: int = 1
     devices: tuple[int, ...] | None = None
-    # Bytes of lm_head weight per tile of the vocabulary product at 2-32 rows
-    # (engine.model.head_product). None: HEAD_TILE_BYTES on the CPU backend when every
-    # device holds the whole head, else one product; 0: always one product.
-    lm_head_tile_bytes: int | None = None
+    # Decode steps' logits from a (vocab, hidden) copy of the head, as (vocab, rows)
+    # (engine.model.step_logits). None: on the CPU backend in float32 when every device
+    # holds the whole head.
+    vocab_major_head: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -116,8 +116,6 @@ class EngineConfig:
                 f"devices {list(self.devices)} must be tensor_parallel_size "
                 f"({self.tensor_parallel_size}) ids"
             )
-        if self.lm_head_tile_bytes is not None and self.lm_head_tile_bytes < 0:
-            raise ValueError(f"lm_head_tile_bytes must be >= 0, got {self.lm_head_tile_bytes}")
         if self.prefill_chunk is not None and self.prefill_chunk < MIN_BUCKET:
             raise ValueError(f"prefill_chunk must be >= {MIN_BUCKET}, got {self.prefill_chunk}")
         for name in ("max_prefill_batch", "max_prefill_batch_tokens"):
@@ -166,29 +164,20 @@ def prefill_batch_shapes(
     return tuple(sorted(shapes))
 
 
-# Weight bytes per tile of a tiled vocabulary product: of 1-8 MiB, 3-4 MiB tiles ran a
-# 128k-column head (hidden 256) and a 50k-column one (hidden 768) fastest on the 2-core
-# development machine (1 MiB L2 per core, 32 MiB L3); 6 MiB ones were slower again.
-HEAD_TILE_BYTES = 4 << 20
+def vocab_major_head(config: EngineConfig, cfg: ModelConfig, mesh: Any) -> bool:
+    """Whether decode steps take the vocab-major head (ModelConfig.vocab_major_head).
 
-
-def head_tile(config: EngineConfig, cfg: ModelConfig, mesh: Any) -> int:
-    """Columns per tile of the vocabulary product (ModelConfig.head_tile; 0: one product).
-
-    A CPU-backend choice: accelerators' matmuls get the whole head. A head split over
-    devices stays one product (its tiles would cut across the split).
+    A CPU-backend choice, measured in float32 only (in bfloat16 it was 1.4-1.6x slower
+    at 2-8 rows of a 128k head): accelerators' matmuls take either layout. A head split
+    over devices keeps one layout (the split is by vocabulary columns).
     """
-    budget = config.lm_head_tile_bytes
-    if budget is None:
+    chosen = config.vocab_major_head
+    if chosen is None:
         cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
-        budget = HEAD_TILE_BYTES if cpu and cfg.head_shards == 1 else 0
-    if budget == 0:
-        return 0
-    if cfg.head_shards > 1:
-        raise ValueError("lm_head_tile_bytes needs the whole head on every device")
-    itemsize = np.dtype(DTYPES[config.dtype]).itemsize
-    columns = max(1, budget // (cfg.hidden_size * itemsize))
-    return 0 if columns >= cfg.vocab_size else columns
+        return cpu and config.dtype == "float32" and cfg.head_shards == 1
+    if chosen and cfg.head_shards > 1:
+        raise ValueError("vocab_major_head needs the whole head on every device")
+    return chosen
 
 
 def decode_buckets(max_slots: int) -> tuple[int, ...]:
@@ -249,7 +238,7 @@ class Engine:
             if config.devices is not None
             else default_mesh(config.tensor_parallel_size)
         )
-        cfg = dataclasses.replace(cfg, head_tile=head_tile(config, cfg, self.mesh))
+        cfg = dataclasses.replace(cfg, vocab_major_head=vocab_major_head(config, cfg, self.mesh))
         self.model_config = cfg
         self.max_slots = config.max_slots
         self.max_model_len, self.prefill_buckets = resolve_shapes(
@@ -332,7 +321,7 @@ class Engine:
         }
         logger.info(
             "engine ready: %s, %d slots, max_model_len %d, buckets %s, prefill chunk %s, "
-            "device memory (bytes) %s, %s, lm_head tile %s columns",
+            "device memory (bytes) %s, %s, %s head",
             cfg.architecture,
             self.max_slots,
             self.max_model_len,
@@ -340,7 +329,7 @@ class Engine:
             self.prefill_chunk,
             self.memory,
             config.dtype,
-            cfg.head_tile or "none",
+            "vocab-major" if cfg.vocab_major_head else "hidden-major",
         )
 
     def _budgeted_blocks(self, decode_bytes: int, buffer_bytes: int) -> int:
@@ -803,7 +792,7 @@ class Engine:
             self.params, state, self._inv_freq, self._eos_mask, rows=rows
         )
         step = StepOutput(out.token, out.logprob, out.top_ids, out.top_logprobs, active)
-        return state, step, logits
+        return state, step, logits.T if self.model_config.vocab_major_head else logits
 
     def free(self, state: DecodeState, slot: int) -> DecodeState:
         self._check_slot(slot)

@@ -86,14 +86,15 @@ def place_params(folder: Any, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Any:
     if mesh.devices.size != cfg.shards:
         raise ValueError(f"a mesh of {mesh.devices.size} devices for {cfg.shards} shards")
     if cfg.shards == 1:
-        return jax.device_put(matmul_layout(load_params(folder, cfg, dtype)), replicated(mesh))
+        host = matmul_layout(load_params(folder, cfg, dtype), cfg.vocab_major_head)
+        return jax.device_put(host, replicated(mesh))
     devices = list(mesh.devices.flat)
     pieces: list[list[jax.Array]] = []
     treedef = None
     for shard, device in enumerate(devices):
         if device.process_index != jax.process_index():
             continue  # multi-host: another process reads that shard
-        host = matmul_layout(load_params(folder, cfg, dtype, shard))
+        host = matmul_layout(load_params(folder, cfg, dtype, shard), cfg.vocab_major_head)
         leaves, treedef = jax.tree.flatten(host)
         pieces.append([jax.device_put(leaf, device) for leaf in leaves])
         del host, leaves

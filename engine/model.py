@@ -59,18 +59,23 @@ def key_blocks(keys: jax.Array, block: int) -> jax.Array:
     return jnp.moveaxis(split, -2, -3)
 
 
-def matmul_layout(params: Params) -> Params:
+def matmul_layout(params: Params, vocab_major: bool = False) -> Params:
     """Host params with every matrix as (in, out) and an (hidden, vocab) `lm_head`.
 
     A tied checkpoint gets its own transposed head: the embedding stays
     (vocab, hidden) for the token lookup, at the cost of a second vocab x hidden copy.
+    vocab_major (ModelConfig.vocab_major_head) also keeps an untied checkpoint's head
+    as it comes, (vocab, hidden), as `vocab_head` (a tied one's is the embedding).
     """
     layers = [
         {name: np.ascontiguousarray(w.T) if name in MATRICES else w for name, w in lp.items()}
         for lp in params["layers"]
     ]
     head = params["lm_head"] if "lm_head" in params else params["embed"]
-    return params | {"layers": layers, "lm_head": np.ascontiguousarray(head.T)}
+    out = params | {"layers": layers, "lm_head": np.ascontiguousarray(head.T)}
+    if vocab_major and "lm_head" in params:
+        out["vocab_head"] = np.ascontiguousarray(head)
+    return out
 
 
 def linear(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
@@ -296,47 +301,31 @@ def _softmax_attend(scores: jax.Array, mask: jax.Array, dtype: Any) -> jax.Array
 
 
 def logits_of(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Final norm and vocabulary projection, float32 logits."""
+    """Final norm and vocabulary projection, float32 logits (..., vocab)."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return head_product(x, params["lm_head"], cfg.head_tile)
+    return linear(x, params["lm_head"], preferred=F32).astype(F32)
 
 
-# Rows up to which the vocabulary product may go by column tiles (decode steps and prompts'
-# last positions). At 64 rows tiles were 1.06-1.34x slower than one product (paired calls,
-# hidden 256 x 128,256 and 768 x 50,257), so 64-slot steps and whole prompts take one.
-HEAD_TILE_MAX_ROWS = 32
+def step_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rows (R, hidden) -> float32 logits, (vocab, R) when cfg.vocab_major_head, else
+    (R, vocab): the layout engine.sampling.sample is told.
 
-
-def head_product(x: jax.Array, head: jax.Array, tile: int = 0) -> jax.Array:
-    """x (..., hidden) times head (hidden, vocab) -> float32 logits (..., vocab).
-
-    tile > 0 (the CPU backend's choice, see EngineConfig.lm_head_tile_bytes): 2 to
-    HEAD_TILE_MAX_ROWS rows go through the vocabulary `tile` columns at a time in a
-    loop, each product written in place into the logits. XLA's CPU dot streamed a
-    128k-column head at 4-16 rows 10-35% slower in one product than in tiles of ~4 MiB,
-    a 50k-column one (hidden 768) at 2-32 rows 25-45% slower (paired calls on the 2-core
-    development machine; at 32 rows of the 128k head the runs disagreed, 0.94-1.23x;
-    bench/README.md). Every tile has the same shape (the last one may overlap
-    the one before), so a row's logits have the same bits at every row count the
-    tiled product serves whenever the backend's matrix kernel does (the engine
-    checks that at start: Engine._shared_row_kernel). One row stays one product: a
-    matrix-vector kernel, faster untiled.
+    Vocab-major, 2+ rows are one product with the head as the left operand, (vocab,
+    hidden) x rows^T. XLA's CPU backend ran rows (R, hidden) @ (hidden, vocab) in
+    float32 at 2-32 rows 1.3-3.6x as long (paired calls on the 2-core development
+    machine: 0.60-0.77x at 4-32 rows of hidden 256 x 128,256, 0.28-0.36x of 768 x
+    50,257; bench/README.md), but one row 1.1-1.5x faster, so one row keeps the
+    (hidden, vocab) head: its (1, vocab) logits are the (vocab, 1) layout byte for byte.
     """
-    rows = math.prod(x.shape[:-1])
-    vocab = head.shape[-1]
-    if tile <= 0 or tile >= vocab or not 2 <= rows <= HEAD_TILE_MAX_ROWS:
-        return linear(x, head, preferred=F32).astype(F32)
-    flat = x.reshape(rows, x.shape[-1])
-    count = -(-vocab // tile)
-    width = -(-vocab // count)  # equal tiles as wide as `tile` at most
-
-    def one_tile(i: jax.Array, out: jax.Array) -> jax.Array:
-        start = jnp.minimum(i * width, vocab - width)
-        part = lax.dynamic_slice_in_dim(head, start, width, axis=1)
-        return lax.dynamic_update_slice(out, linear(flat, part, preferred=F32), (0, start))
-
-    out = lax.fori_loop(0, count, one_tile, jnp.zeros((rows, vocab), F32))
-    return out.reshape(*x.shape[:-1], vocab)
+    rows = x.shape[0]
+    if not cfg.vocab_major_head:
+        return logits_of(params, x, cfg)
+    if rows == 1:
+        return logits_of(params, x, cfg).reshape(cfg.vocab_size, 1)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["vocab_head"] if "vocab_head" in params else params["embed"]  # tied: embed
+    out = lax.dot_general(head, x, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    return out.astype(F32)
 
 
 def last_logits(params: Params, rows: jax.Array, cfg: ModelConfig, product_rows: int) -> jax.Array:
@@ -358,7 +347,8 @@ def last_logits(params: Params, rows: jax.Array, cfg: ModelConfig, product_rows:
         return lax.map(lambda row: logits_of(params, row[None], cfg)[0], rows)
     if count < product_rows:
         rows = jnp.concatenate([rows, jnp.zeros((product_rows - count, rows.shape[1]), rows.dtype)])
-    return logits_of(params, rows, cfg)[:count]
+    out = step_logits(params, rows, cfg)
+    return (out.T if cfg.vocab_major_head else out)[:count]
 
 
 def prefill_forward(
@@ -463,8 +453,9 @@ def decode_forward(
     inv_freq: jax.Array,
     cfg: ModelConfig,
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], ...], tuple[tuple[jax.Array, ...], ...]]:
-    """One token for each of the first `rows` slots at its position -> (logits (rows,
-    vocab), k_cache, v_cache), rows = tokens.shape[0] (at most the cache's slots).
+    """One token for each of the first `rows` slots at its position -> (logits, k_cache,
+    v_cache), rows = tokens.shape[0] (at most the cache's slots); logits in
+    step_logits' layout.
 
     The cache is per layer a tuple of chunks, keys (slots, kv_heads, blocks,
     head_dim, block) and values (slots, kv_heads, chunk, head_dim), chunk i
@@ -492,4 +483,4 @@ def decode_forward(
         x = _finish(lp, x, attn.reshape(slots, cfg.q_size), cfg)
         new_k.append(k_layer)
         new_v.append(v_layer)
-    return logits_of(params, x, cfg), tuple(new_k), tuple(new_v)
+    return step_logits(params, x, cfg), tuple(new_k), tuple(new_v)

@@ -226,8 +226,10 @@ def sample(
     counts: jax.Array,
     generated: jax.Array,
     eos_mask: jax.Array,
+    vocab_major: bool = False,
 ) -> Sampled:
-    """Sample one token per row of logits (B, vocab).
+    """Sample one token per row of logits (B, vocab), or of (vocab, B) when vocab_major
+    (a decode step's, engine.model.step_logits).
 
     index (B,): which generated token this is (key = fold_in(key, index));
     counts (>= B, vocab): how often each token was generated so far (penalties;
@@ -243,7 +245,9 @@ def sample(
     them); otherwise every row gets the
     argmax, and only the rows that need more are copied out, GATHERED_ROWS
     at a time, for the passes over the vocabulary. Every row's result
-    depends on that row alone, so a row gets the same bits either way.
+    depends on that row alone, so a row gets the same bits either way, and in
+    either layout (vocab-major logits are transposed once when some row needs more
+    than the argmax).
     """
     logits = logits.astype(jnp.float32)
     special = (
@@ -254,6 +258,18 @@ def sample(
         | biased(params)
         | params.masked
     )
+    if vocab_major:
+        return lax.cond(
+            jnp.any(special),
+            lambda t, *rest: _sample_special(t.T, *rest, special=special),
+            lambda t, *_: _greedy_tokens(argmax(t, axis=0)),
+            logits,
+            params,
+            index,
+            counts,
+            generated,
+            eos_mask,
+        )
     return lax.cond(
         jnp.any(special),
         functools.partial(_sample_special, special=special),
@@ -307,9 +323,13 @@ def _sample_special(
 def _greedy(logits: jax.Array, *_: Any) -> Sampled:
     """What _sample_any gives greedy rows without penalties, logprobs, bias or mask, bit for
     bit."""
-    rows = logits.shape[0]
+    return _greedy_tokens(argmax(logits))
+
+
+def _greedy_tokens(tokens: jax.Array) -> Sampled:
+    rows = tokens.shape[0]
     return Sampled(
-        argmax(logits),
+        tokens,
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
         jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
@@ -423,8 +443,9 @@ def _logprobs(logits: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array
     return chosen, top_lps, top_ids.astype(jnp.int32)
 
 
-def argmax(x: jax.Array) -> jax.Array:
-    """Per row, the first index of the maximum, as jnp.argmax gives (NaN counts as the maximum).
+def argmax(x: jax.Array, axis: int = 1) -> jax.Array:
+    """Per row of a (rows, n) array (axis 1) or column of an (n, rows) one (axis 0), the
+    first index of the maximum, as jnp.argmax gives (NaN counts as the maximum).
 
     In blocks of ARGMAX_BLOCK or so positions when the row length divides into
     them: the first block holding the row's maximum, then the first maximum
@@ -433,10 +454,18 @@ def argmax(x: jax.Array) -> jax.Array:
     product's time, and a max then a first-index pass in ~90% (the second
     pass's select was materialized); this costs about one max (~1.5%).
     """
-    rows, n = x.shape
+    if axis == 0:
+        n, rows = x.shape
+    else:
+        rows, n = x.shape
     block = _argmax_block(n)
     if block is None:
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+        return jnp.argmax(x, axis=axis).astype(jnp.int32)
+    if axis == 0:
+        blocks = x.reshape(n // block, block, rows)
+        best = jnp.argmax(jnp.max(blocks, axis=1), axis=0).astype(jnp.int32)
+        inside = jnp.take_along_axis(blocks, best[None, None, :], axis=0)[0]
+        return best * block + jnp.argmax(inside, axis=0).astype(jnp.int32)
     blocks = x.reshape(rows, n // block, block)
     best = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1).astype(jnp.int32)
     inside = jnp.take_along_axis(blocks, best[:, None, None], axis=1)[:, 0]

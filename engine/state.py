@@ -169,11 +169,12 @@ def decode_step(
     -> (state, sampled, active, logits).
 
     sampled and active cover every slot (zeros / False past `rows`); logits
-    are (rows, vocab). Slots past `rows` are not computed and every part of
-    their state stays as it was, so a caller steps a bucket that covers every
-    busy slot. Idle slots inside it compute too but their length, token and
-    counters stay put; they sit at position 0, so they never make the step
-    read more of the cache. A slot that reaches max_len becomes idle.
+    are (rows, vocab), or (vocab, rows) with cfg.vocab_major_head. Slots past
+    `rows` are not computed and every part of their state stays as it was, so a
+    caller steps a bucket that covers every busy slot. Idle slots inside it
+    compute too but their length, token and counters stay put; they sit at
+    position 0, so they never make the step read more of the cache. A slot that
+    reaches max_len becomes idle.
     """
     slots = state.lengths.shape[0]
     rows = slots if rows is None else rows
@@ -190,7 +191,9 @@ def decode_step(
     logits, k_cache, v_cache = decode_forward(
         params, tokens, positions, state.k_cache, state.v_cache, inv_freq, cfg
     )
-    out = sample(logits, sampling, generated, state.counts, generated, eos_mask)
+    out = sample(
+        logits, sampling, generated, state.counts, generated, eos_mask, cfg.vocab_major_head
+    )
     step = active.astype(jnp.int32)
     # Only penalties read the counts: a slot without them may keep stale ones (insert resets).
     new_counts = lax.cond(

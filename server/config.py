@@ -41,9 +41,9 @@ class ServerConfig:
     # The KV pools' device memory cap (decode cache + prompt buffer + prefix pool), bytes;
     # with it, prefix_cache_blocks -1 gives the prefix cache whatever the others leave.
     kv_cache_memory_bytes: int | None = None
-    # Weight bytes per column tile of the vocabulary product (None: the backend's choice,
-    # tiles on CPU; 0: one product). engine.engine.EngineConfig.lm_head_tile_bytes.
-    lm_head_tile_bytes: int | None = None
+    # Decode steps' logits from a (vocab, hidden) head (None: the backend's choice, on CPU
+    # in float32). engine.engine.EngineConfig.vocab_major_head.
+    vocab_major_head: bool | None = None
     max_queued_samples: int = 256  # admission bound, in samples (prompts x n), before 429
     api_key: str | None = None
     log_level: str = "info"
@@ -109,8 +109,6 @@ class ServerConfig:
         budget = self.kv_cache_memory_bytes
         if budget is not None and budget < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {budget}")
-        if self.lm_head_tile_bytes is not None and self.lm_head_tile_bytes < 0:
-            raise ValueError(f"lm_head_tile_bytes must be >= 0, got {self.lm_head_tile_bytes}")
         if self.prefill_chunk != 0 and self.prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be 0 (off) or >= 16, got {self.prefill_chunk}")
         buckets = self.prefill_buckets
@@ -242,7 +240,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "prefill_chunk": (int, "tokens a prefill call of a long prompt takes, decode between (0: off)"),
     "prefix_cache_blocks": (int, "16-token blocks of prompt KV kept for later prompts (0: off)"),
     "kv_cache_memory_bytes": (_byte_size, "KV pools cap, e.g. 8GiB (prefix blocks -1: the rest)"),
-    "lm_head_tile_bytes": (_byte_size, "vocabulary product tile, e.g. 4MiB (0: one product)"),
+    "vocab_major_head": (_switch, "decode logits as (vocab, rows) products (default: CPU f32)"),
     "max_queued_samples": (int, "samples (prompts x n) waiting for prefill before 429"),
     "api_key": (str, "require 'Authorization: Bearer <key>' on /v1 routes"),
     "log_level": (str, "debug, info, warning, error"),

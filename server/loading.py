@@ -80,7 +80,7 @@ def build_engines(config: ServerConfig) -> tuple[Any, Any]:
         prefill_chunk=config.prefill_chunk or None,
         prefix_cache_blocks=config.prefix_cache_blocks,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        lm_head_tile_bytes=config.lm_head_tile_bytes,
+        vocab_major_head=config.vocab_major_head,
         tensor_parallel_size=config.tensor_parallel_size,
     )
     if config.num_processes > 1 and config.tensor_parallel_size != jax.device_count():

@@ -68,7 +68,9 @@ def test_tokens_same_alone_and_in_a_full_batch(small_engine, sampling):
 
 def test_a_deep_neighbour_changes_no_bit_of_a_short_request(small_engine):
     """A slot near the end of the cache makes each step read every cache chunk; a short
-    request in another slot, which alone reads only the first chunk, gets the same bits."""
+    request in another slot, which alone reads only the first chunk, gets the same bits.
+    Alone it steps bucket 2, not 1: a one-row step's logits come from another product
+    (engine.model.step_logits)."""
     engine = small_engine
     greedy = SamplingParams(temperature=0.0, seed=0)
     chunk = engine.init_state().v_cache[0][0].shape[2]
@@ -81,7 +83,7 @@ def test_a_deep_neighbour_changes_no_bit_of_a_short_request(small_engine):
             state = engine.insert(engine.prefill(deep, greedy), state, 3)
         rows = []
         for _ in range(3):
-            batch = engine.decode_bucket(4 if with_deep else 1)
+            batch = engine.decode_bucket(4 if with_deep else 2)
             state, _, logits = engine.generate_with_logits(state, batch)
             rows.append(np.asarray(logits[0]))
         return rows

@@ -1,12 +1,17 @@
-"""engine.model.linear: float32 accumulation and shapes, including the one-row 16-bit path."""
+"""engine.model.linear: float32 accumulation and shapes, including the one-row 16-bit path;
+the decode step's vocabulary product in both layouts (engine.model.step_logits)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.model import HEAD_TILE_MAX_ROWS, head_product, linear
+from engine.config import ModelConfig
+from engine.model import linear, logits_of, matmul_layout, step_logits
 
 
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 5)])
@@ -28,48 +33,40 @@ def test_linear_matches_float64_product(lead: tuple[int, ...], dtype: str) -> No
     np.testing.assert_array_equal(np.asarray(out), np.asarray(wide.astype(dt)))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 32, 33, 64])
-@pytest.mark.parametrize("tile", [96, 250, 1000])
-def test_head_product_by_tiles_matches_one_product(rows: int, tile: int) -> None:
-    """1000 columns in tiles of 96 (11 of 91, the last overlapping the one before) or 250
-    (4, no overlap); 1000 is one product. 1 row and more than HEAD_TILE_MAX_ROWS are one
-    product by design."""
+def head_params(tied: bool, vocab_major: bool) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Checkpoint-layout head params through matmul_layout, and the float64 head and norm."""
     rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((rows, 32)), jnp.float32)
-    head = jnp.asarray(rng.standard_normal((32, 1000)), jnp.float32)
-    want = np.asarray(x, np.float64) @ np.asarray(head, np.float64)
-
-    out = head_product(x, head, tile)
-
-    assert out.shape == (rows, 1000) and out.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-5, atol=1e-4)
-    if rows == 1 or rows > HEAD_TILE_MAX_ROWS or tile >= 1000:
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(head_product(x, head)))
-
-
-def test_head_product_by_tiles_keeps_leading_axes_and_16_bit_weights() -> None:
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.standard_normal((2, 3, 32)), jnp.bfloat16)
-    head = jnp.asarray(rng.standard_normal((32, 500)), jnp.bfloat16)
-    want = np.asarray(x, np.float64) @ np.asarray(head, np.float64)
-
-    out = head_product(x, head, 64)
-
-    assert out.shape == (2, 3, 500) and out.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-5, atol=1e-3)
+    head = rng.standard_normal((1000, 32)).astype(np.float32)  # (vocab, hidden), as stored
+    norm = (1 + 0.1 * rng.standard_normal(32)).astype(np.float32)
+    params = {"embed": head, "layers": [], "final_norm": norm}
+    if not tied:
+        params["embed"] = rng.standard_normal((1000, 32)).astype(np.float32)
+        params["lm_head"] = head
+    laid = matmul_layout(params, vocab_major)
+    assert ("vocab_head" in laid) == (vocab_major and not tied)  # tied: the embedding is it
+    return jax.tree.map(jnp.asarray, laid), head.astype(np.float64), norm.astype(np.float64)
 
 
-def test_a_rows_tiled_logits_do_not_depend_on_the_row_count_where_one_products_do_not() -> None:
-    """The property the engine's prefill and decode buckets rely on (checked at start by
-    Engine._shared_row_kernel): tiles of one shape keep it wherever the whole product has it."""
-    rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
-    head = jnp.asarray(rng.standard_normal((64, 3000)), jnp.float32)
+CFG = ModelConfig("LlamaForCausalLM", 1000, 32, 0, 1, 1, 32, 64, 1e-5, 1e4)
 
-    def first_row_bits(tile: int) -> list[bytes]:
-        return [np.asarray(head_product(x[:n], head, tile))[0].tobytes() for n in range(2, 17)]
 
-    whole = first_row_bits(0)
-    if len(set(whole)) != 1:
-        pytest.skip("this backend's matrix kernel rounds a row differently by row count")
-    assert len(set(first_row_bits(320))) == 1
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 32])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("vocab_major", [False, True], ids=["hidden-major", "vocab-major"])
+def test_step_logits_in_either_layout_match_float64(rows: int, tied: bool, vocab_major: bool):
+    params, head, norm = head_params(tied, vocab_major)
+    cfg = dataclasses.replace(CFG, vocab_major_head=vocab_major)
+    x = np.random.default_rng(rows).standard_normal((rows, 32)).astype(np.float32)
+    normed = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5)
+    want = (normed * norm) @ head.T  # (rows, vocab)
+
+    out = np.asarray(step_logits(params, jnp.asarray(x), cfg))
+
+    assert out.dtype == np.float32
+    assert out.shape == ((1000, rows) if vocab_major else (rows, 1000))
+    np.testing.assert_allclose(out.T if vocab_major else out, want, rtol=1e-4, atol=1e-4)
+    hidden_major = np.asarray(logits_of(params, jnp.asarray(x), CFG))
+    if vocab_major and rows == 1:  # one row keeps the (hidden, vocab) product, bit for bit
+        np.testing.assert_array_equal(out.T, hidden_major)
+    if not vocab_major:
+        np.testing.assert_array_equal(out, hidden_major)

@@ -240,6 +240,16 @@ def test_a_row_samples_the_same_alone_and_in_every_batch_path(special):
         if per_row[i].get("logprobs"):
             np.testing.assert_array_equal(together.logprob[i], alone.logprob[0])
             np.testing.assert_array_equal(together.top_ids[i], alone.top_ids[0])
+    vocab_major = jax.device_get(
+        run_vocab_major(logits.T, stacked, index, counts, generated, eos)
+    )  # a decode step's layout (engine.model.step_logits): the same, bit for bit
+    for got, want in zip(vocab_major, together, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@jax.jit
+def run_vocab_major(logits, params, index, counts, generated, eos_mask):
+    return sample(logits, params, index, counts, generated, eos_mask, vocab_major=True)
 
 
 @pytest.mark.parametrize("vocab", [40, 2000, 2003])  # one pass; blocks of 500; no divisor
@@ -250,8 +260,14 @@ def test_argmax_is_the_first_maximum(vocab):
     rows[6, 17] = np.inf
     rows[7, 499:501] = 9.0  # a tie across a block boundary
     rows[8, [3, vocab - 1]] = np.nan
+    rows[9:12] = -5.0  # maxima past the first block
+    rows[9, vocab - 1] = 1.0
+    rows[10, [vocab // 2, vocab - 2]] = 2.0
+    rows[11, 1:vocab:3] = 4.0
     got = jax.device_get(jax.jit(argmax)(jnp.asarray(rows)))
     np.testing.assert_array_equal(got, np.argmax(rows, axis=-1))
+    columns = jax.device_get(jax.jit(argmax, static_argnums=1)(jnp.asarray(rows.T), 0))
+    np.testing.assert_array_equal(columns, np.argmax(rows, axis=-1))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**32 - 1])

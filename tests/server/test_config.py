@@ -36,7 +36,7 @@ def test_every_listed_flag_parses(tmp_path: Path) -> None:
             "--max-queued-samples", "5", "--api-key", "secret", "--log-level", "debug",
             "--log-format", "text", "--chat-template", str(template), "--drain-timeout", "2.5",
             "--sse-ping-interval", "3", "--max-request-bytes", "2048",
-            "--cache-dir", str(tmp_path / "cache"), "--lm-head-tile-bytes", "2MiB",
+            "--cache-dir", str(tmp_path / "cache"), "--vocab-major-head", "false",
         ],
         environ={},
     )  # fmt: skip
@@ -58,7 +58,7 @@ def test_every_listed_flag_parses(tmp_path: Path) -> None:
         sse_ping_interval=3.0,
         max_request_bytes=2048,
         cache_dir=tmp_path / "cache",
-        lm_head_tile_bytes=2 << 20,
+        vocab_major_head=False,
     )
     assert config.model_name == "m"
 
@@ -84,7 +84,7 @@ def test_fault_injection_from_env() -> None:
         (["--prefill-buckets", "a,b"], {}, "prefill-buckets"),
         (["--log-format", "xml"], {}, "log_format"),
         (["--drain-timeout", "-1"], {}, "drain_timeout"),
-        (["--lm-head-tile-bytes", "-1"], {}, "--lm-head-tile-bytes"),
+        (["--vocab-major-head", "maybe"], {}, "--vocab-major-head"),
         ([], {"LLM_SERVER_MAX_MODEL_LEN": "1"}, "max_model_len"),
         (["--tool-call-parser", "mistral"], {}, "tool_call_parser must be one of hermes"),
         (["--enable-auto-tool-choice"], {}, "needs tool_call_parser"),
