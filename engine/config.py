@@ -54,6 +54,9 @@ class ModelConfig:
     # (engine.model.step_logits). Set by the engine for its backend, not read
     # from the checkpoint.
     vocab_major_head: bool = False
+    # Layer products of 2-63 rows as weight x rows^T (engine.model.project). Set by the
+    # engine for its backend.
+    weights_left: bool = False
 
     @property
     def q_size(self) -> int:

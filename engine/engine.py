@@ -25,6 +25,7 @@ from engine.checkpoint import NP_DTYPES as DTYPES
 from engine.config import ModelConfig, load_model_config, tensor_parallel
 from engine.mesh import default_mesh, mesh_of, place_params, replicated, split, state_shardings
 from engine.model import (
+    WEIGHTS_LEFT_ROWS,
     last_logits,
     logits_of,
     prefill_chunk_hidden,
@@ -89,6 +90,9 @@ class EngineConfig:
     # (engine.model.step_logits). None: on the CPU backend in float32 when every device
     # holds the whole head.
     vocab_major_head: bool | None = None
+    # Layer products of 2-63 rows (decode steps, short prompts) as weight x rows^T
+    # (engine.model.project). None: on the CPU backend.
+    weights_left: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -139,11 +143,12 @@ def default_buckets(max_prefill_len: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-# XLA:CPU multiplies a (M, K) matrix with one kernel when M >= 64 and another below, and
-# the two round float32 sums differently. A prompt prefilled in a batch (M = rows x bucket
-# in the layers' products) gives the same bits as alone (M = bucket) only when both M are
-# on the same side; batch shapes are kept to those (tests/engine/test_prefill_batch.py).
-SAME_KERNEL_ROWS = 64
+# The layers' products take one form from WEIGHTS_LEFT_ROWS rows up and another below
+# (engine.model.project), and XLA:CPU's kernels round float32 sums differently by form. A
+# prompt prefilled in a batch (M = rows x bucket in the layers' products) gives the same
+# bits as alone (M = bucket) only when both M are on the same side; batch shapes are kept
+# to those (tests/engine/test_prefill_batch.py checks every one).
+SAME_KERNEL_ROWS = WEIGHTS_LEFT_ROWS
 
 
 def prefill_batch_shapes(
@@ -238,7 +243,12 @@ class Engine:
             if config.devices is not None
             else default_mesh(config.tensor_parallel_size)
         )
-        cfg = dataclasses.replace(cfg, vocab_major_head=vocab_major_head(config, cfg, self.mesh))
+        cpu = all(d.platform == "cpu" for d in self.mesh.devices.flat)
+        cfg = dataclasses.replace(
+            cfg,
+            vocab_major_head=vocab_major_head(config, cfg, self.mesh),
+            weights_left=cpu if config.weights_left is None else config.weights_left,
+        )
         self.model_config = cfg
         self.max_slots = config.max_slots
         self.max_model_len, self.prefill_buckets = resolve_shapes(
@@ -321,7 +331,7 @@ class Engine:
         }
         logger.info(
             "engine ready: %s, %d slots, max_model_len %d, buckets %s, prefill chunk %s, "
-            "device memory (bytes) %s, %s, %s head",
+            "device memory (bytes) %s, %s, %s head, weights-%s layer products",
             cfg.architecture,
             self.max_slots,
             self.max_model_len,
@@ -330,6 +340,7 @@ class Engine:
             self.memory,
             config.dtype,
             "vocab-major" if cfg.vocab_major_head else "hidden-major",
+            "left" if cfg.weights_left else "right",
         )
 
     def _budgeted_blocks(self, decode_bytes: int, buffer_bytes: int) -> int:

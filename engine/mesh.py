@@ -23,8 +23,8 @@ from engine.config import ModelConfig
 from engine.model import matmul_layout
 
 MODEL_AXIS = "model"
-# Axis split over "model" of each layer matrix, in the (in, out) layout.
-_LAYER_AXES = {"wqkv": 1, "bqkv": 0, "wo": 0, "w_gate_up": 1, "w_down": 0}
+# Axis split over "model" of each layer matrix, in the (out, in) layout.
+_LAYER_AXES = {"wqkv": 0, "bqkv": 0, "wo": 1, "w_gate_up": 0, "w_down": 1}
 
 
 def default_mesh(num_devices: int = 1) -> Mesh:

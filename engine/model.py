@@ -5,12 +5,11 @@ token per slot (decode). Covers Llama (default / linear / llama3 RoPE),
 Mistral (sliding window) and Qwen2 (q/k/v bias): grouped-query attention,
 RMSNorm, SwiGLU, tied or untied embeddings.
 
-Layout: weights (in, out), turned so by `matmul_layout` from the checkpoint's
-(out, in) once at load, one set of arrays per layer (the layer loop is
-unrolled, so no weight is ever sliced or copied). With 4-16 activation rows
-on the CPU backend, `x @ W` with W (in, out) ran the 100M model's decode
-matmuls ~20% faster than contracting the last axes of (out, in) weights, and
-prefill no slower (bench/engine_bench.py).
+Layout: layer weights (out, in), as the checkpoint has them, one set of arrays
+per layer (the layer loop is unrolled, so no weight is ever sliced or copied);
+`project` picks the product's form by row count (and backend); the head is
+(hidden, vocab), with a (vocab, hidden) copy where decode steps use one
+(`matmul_layout`, `step_logits`).
 
 Decode cache: per layer a tuple of equal chunks along positions, keys as
 (slots, kv_heads, chunk / block, head_dim, block) and values as (slots,
@@ -42,7 +41,6 @@ from engine.config import ModelConfig
 
 Params = dict[str, Any]
 F32 = jnp.float32
-MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 KEY_BLOCK = 32  # positions per key block in the decode cache (at most one chunk)
 
 
@@ -60,19 +58,15 @@ def key_blocks(keys: jax.Array, block: int) -> jax.Array:
 
 
 def matmul_layout(params: Params, vocab_major: bool = False) -> Params:
-    """Host params with every matrix as (in, out) and an (hidden, vocab) `lm_head`.
+    """Host params with an (hidden, vocab) `lm_head`; layer matrices stay (out, in).
 
     A tied checkpoint gets its own transposed head: the embedding stays
     (vocab, hidden) for the token lookup, at the cost of a second vocab x hidden copy.
     vocab_major (ModelConfig.vocab_major_head) also keeps an untied checkpoint's head
     as it comes, (vocab, hidden), as `vocab_head` (a tied one's is the embedding).
     """
-    layers = [
-        {name: np.ascontiguousarray(w.T) if name in MATRICES else w for name, w in lp.items()}
-        for lp in params["layers"]
-    ]
     head = params["lm_head"] if "lm_head" in params else params["embed"]
-    out = params | {"layers": layers, "lm_head": np.ascontiguousarray(head.T)}
+    out = params | {"lm_head": np.ascontiguousarray(head.T)}
     if vocab_major and "lm_head" in params:
         out["vocab_head"] = np.ascontiguousarray(head)
     return out
@@ -89,6 +83,38 @@ def linear(x: jax.Array, w: jax.Array, preferred: Any = None) -> jax.Array:
         return _linear_one_row(x, w).astype(preferred or x.dtype)
     out = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=F32)
     return out.astype(preferred or x.dtype)
+
+
+# Rows below which `project` may put the weight on the left (engine.engine.SAME_KERNEL_ROWS
+# keeps batched prefill on one side of it).
+WEIGHTS_LEFT_ROWS = 64
+
+
+def project(x: jax.Array, w: jax.Array, weights_left: bool) -> jax.Array:
+    """x (..., in) times w (out, in)^T -> (..., out) in x's dtype, summed in float32.
+
+    weights_left (ModelConfig.weights_left, the CPU backend's choice): 2 to
+    WEIGHTS_LEFT_ROWS - 1 rows as w x rows^T, then transposed back. XLA's CPU
+    backend ran that at 8-32 rows of layer shapes from 256 x 768 to 2048 x 768 in
+    0.27-0.75x the time of rows x (in, out) in float32, 0.45-0.85x in bfloat16, and
+    mostly faster than rows x w^T (paired calls on the 2-core development machine;
+    bench/README.md).
+    The barrier keeps XLA from folding the transpose back into the product (it rewrote
+    transpose(dot) as the other form). Otherwise rows x w^T: as fast as rows x (in, out)
+    at 1,024 rows, faster at one; a 16-bit row is run as two (no fast bfloat16
+    matrix-vector product: one row took ~10x as long as two).
+    """
+    rows = math.prod(x.shape[:-1])
+    flat = x.reshape(rows, x.shape[-1])
+    dims = (((1,), (1,)), ((), ()))
+    if weights_left and 2 <= rows < WEIGHTS_LEFT_ROWS:
+        out = lax.optimization_barrier(lax.dot_general(w, flat, dims, preferred_element_type=F32))
+        out = out.T
+    else:
+        if w.dtype.itemsize < 4 and rows == 1:
+            flat = jnp.concatenate([flat, jnp.zeros_like(flat)])
+        out = lax.dot_general(flat, w, dims, preferred_element_type=F32)[:rows]
+    return out.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def _linear_one_row(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -128,7 +154,7 @@ def _qkv(
     lp: Params, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = linear(h, lp["wqkv"])
+    qkv = project(h, lp["wqkv"], cfg.weights_left)
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     lead = x.shape[:-1]
@@ -275,16 +301,17 @@ def _attend_live(
 
 def _finish(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Output projection, residual, and the SwiGLU MLP block."""
-    out = linear(attn, lp["wo"])
+    out = project(attn, lp["wo"], cfg.weights_left)
     if "bo" in lp:
         out = out + lp["bo"]
     x = x + out
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     lead = x.shape[:-1]
-    gate_up = linear(h, lp["w_gate_up"]).reshape(*lead, cfg.shards, -1)  # per shard gate, up
+    gate_up = project(h, lp["w_gate_up"], cfg.weights_left)
+    gate_up = gate_up.reshape(*lead, cfg.shards, -1)  # per shard gate, up
     half = cfg.intermediate_size // cfg.shards
     gated = jax.nn.silu(gate_up[..., :half]) * gate_up[..., half:]
-    return x + linear(gated.reshape(*lead, cfg.intermediate_size), lp["w_down"])
+    return x + project(gated.reshape(*lead, cfg.intermediate_size), lp["w_down"], cfg.weights_left)
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, cfg: ModelConfig) -> jax.Array:

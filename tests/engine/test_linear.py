@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.config import ModelConfig
-from engine.model import linear, logits_of, matmul_layout, step_logits
+from engine.model import linear, logits_of, matmul_layout, project, step_logits
 
 
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 5)])
@@ -70,3 +70,28 @@ def test_step_logits_in_either_layout_match_float64(rows: int, tied: bool, vocab
         np.testing.assert_array_equal(out.T, hidden_major)
     if not vocab_major:
         np.testing.assert_array_equal(out, hidden_major)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 63, 64, 100])
+@pytest.mark.parametrize("weights_left", [False, True], ids=["rows-left", "weights-left"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_project_matches_float64_in_every_form(rows: int, weights_left: bool, dtype: str):
+    """(out, in) weights: 2-63 rows weights-left when asked, the rest rows x w^T; leading
+    axes kept; the result in x's dtype, rounded once from the float32 sum."""
+    rng = np.random.default_rng(rows)
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(rng.standard_normal((1, rows, 48)), dt)
+    w = jnp.asarray(rng.standard_normal((40, 48)), dt)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+
+    out = project(x, w, weights_left)
+
+    assert out.shape == (1, rows, 40) and out.dtype == dt
+    tolerance = 1e-4 if dtype == "float32" else 0.1
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=tolerance, atol=tolerance)
+    wide = jax.lax.dot_general(
+        x[0], w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    np.testing.assert_allclose(
+        np.asarray(out[0], np.float32), np.asarray(wide.astype(dt), np.float32), atol=2e-2
+    )

@@ -86,8 +86,8 @@ def test_params_and_cache_are_sharded(tiny_checkpoint_of, tp):
     cfg = engine.model_config
     assert engine.mesh.devices.size == tp
     layer = engine.params["layers"][0]
-    expect = {"wqkv": (None, "model"), "wo": ("model",), "w_gate_up": (None, "model")}
-    expect["w_down"] = ("model",)
+    expect = {"wqkv": ("model",), "wo": (None, "model"), "w_gate_up": ("model",)}
+    expect["w_down"] = (None, "model")  # (out, in) matrices: split by output, then input
     for name, spec in expect.items():
         array = layer[name]
         assert array.sharding.spec == PartitionSpec(*spec), name
