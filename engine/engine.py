@@ -789,21 +789,31 @@ class Engine:
     def generate(
         self, state: DecodeState, batch: int | None = None
     ) -> tuple[DecodeState, StepOutput]:
-        state, step, _ = self.generate_with_logits(state, batch)
+        state, step, _ = self._step(state, batch)
         return state, step
 
     def generate_with_logits(
         self, state: DecodeState, batch: int | None = None
     ) -> tuple[DecodeState, StepOutput, Any]:
-        """generate() plus the step's raw logits (batch, vocab), for tests and debugging."""
+        """generate() plus the step's raw logits (batch, vocab), for tests and debugging (a
+        vocab-major step's are transposed on the host: nothing to compile)."""
+        state, step, logits = self._step(state, batch)
+        return state, step, np.asarray(logits).T if self.model_config.vocab_major_head else logits
+
+    def _step(self, state: DecodeState, batch: int | None) -> tuple[DecodeState, StepOutput, Any]:
+        """One decode step; its logits in the step's own layout (never transposed here: the
+        generate loop drops them)."""
         rows = self.max_slots if batch is None else batch
         if rows not in self.decode_buckets:
             raise ValueError(f"batch must be one of the decode buckets {self.decode_buckets}")
         state, out, active, logits = self._generate(
             self.params, state, self._inv_freq, self._eos_mask, rows=rows
         )
-        step = StepOutput(out.token, out.logprob, out.top_ids, out.top_logprobs, active)
-        return state, step, logits.T if self.model_config.vocab_major_head else logits
+        return (
+            state,
+            StepOutput(out.token, out.logprob, out.top_ids, out.top_logprobs, active),
+            logits,
+        )
 
     def free(self, state: DecodeState, slot: int) -> DecodeState:
         self._check_slot(slot)

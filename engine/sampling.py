@@ -258,22 +258,16 @@ def sample(
         | biased(params)
         | params.masked
     )
-    if vocab_major:
-        return lax.cond(
-            jnp.any(special),
-            lambda t, *rest: _sample_special(t.T, *rest, special=special),
-            lambda t, *_: _greedy_tokens(argmax(t, axis=0)),
-            logits,
-            params,
-            index,
-            counts,
-            generated,
-            eos_mask,
-        )
+    if vocab_major:  # (vocab, B): the special rows' passes take the usual layout
+        special_rows: Any = lambda t, *rest: _sample_special(t.T, *rest, special=special)
+        greedy: Any = lambda t, *_: _greedy_tokens(argmax(t, axis=0))
+    else:
+        special_rows = functools.partial(_sample_special, special=special)
+        greedy = _greedy
     return lax.cond(
         jnp.any(special),
-        functools.partial(_sample_special, special=special),
-        _greedy,
+        special_rows,
+        greedy,
         logits,
         params,
         index,
