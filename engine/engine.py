@@ -72,7 +72,9 @@ class EngineConfig:
     max_model_len: int | None = None
     prefill_buckets: tuple[int, ...] | None = None
     max_prefill_len: int | None = None
-    max_prefill_batch: int = 8  # prompts one prefill call may take (1: no batching)
+    # Prompts one prefill call may take (1: no batching); with max_prefill_batch_tokens,
+    # 16 prompts of 128 tokens, vLLM's CPU token budget per scheduler step (2048).
+    max_prefill_batch: int = 16
     max_prefill_batch_tokens: int = 2048  # rows x bucket of one batched prefill call
     # Prompts longer than the largest bucket are prefilled this many tokens a call, on top
     # of the KV of the chunks before (None: no chunking; buckets then reach the context).
@@ -145,18 +147,19 @@ def default_buckets(max_prefill_len: int) -> tuple[int, ...]:
 
 # The layers' products take one form from WEIGHTS_LEFT_ROWS rows up and another below
 # (engine.model.project), and XLA:CPU's kernels round float32 sums differently by form. A
-# prompt prefilled in a batch (M = rows x bucket in the layers' products) gives the same
-# bits as alone (M = bucket) only when both M are on the same side; batch shapes are kept
-# to those (tests/engine/test_prefill_batch.py checks every one).
+# prompt prefilled in a batch (M = rows x bucket in the layers' products) can give the
+# same bits as alone (M = bucket) only when both M are on the same side; batch shapes are
+# kept to those, and warm-up keeps of them only the ones where it measures the same bits
+# (Engine._keep_exact_batch_shapes; tests/engine/test_prefill_batch.py checks every one).
 SAME_KERNEL_ROWS = WEIGHTS_LEFT_ROWS
 
 
 def prefill_batch_shapes(
     buckets: tuple[int, ...], max_batch: int, max_tokens: int
 ) -> tuple[tuple[int, int], ...]:
-    """The (rows, bucket) shapes batched prefill compiles: rows 2, 4, ... max_batch, within
-    max_tokens padded tokens a call (so a long bucket is prefilled alone), and only where
-    a batched prompt keeps the bits it has alone."""
+    """The (rows, bucket) shapes batched prefill may compile: rows 2, 4, ... max_batch,
+    within max_tokens padded tokens a call (so a long bucket is prefilled alone), and only
+    where a batched prompt's products take the form they take alone."""
     shapes = []
     rows = 2
     while rows <= max_batch:
@@ -380,24 +383,28 @@ class Engine:
         return blocks
 
     def _shared_row_kernel(self, cfg: ModelConfig) -> int:
-        """How many rows each prefill logits product takes (engine.model.last_logits): 2
-        when a row's logits have the same bits in a product of 2 rows and in one of every
-        batched prefill's row count, on these devices and params; else 1 (a product per
-        row). Measured, not assumed: a backend may pick its kernel by row count."""
+        """The most rows one prefill logits product takes (engine.model.last_logits): the
+        largest row count n of batched prefill (2, 4, 8, ...) such that every row of a
+        product of 2 to n rows has the bits it has alone (padded to 2), on these devices
+        and params; 1 (a product per row) without batched prefill. Measured, not
+        assumed: a backend may pick its kernel, or a row's place in it, by row count."""
         if self.max_prefill_batch < 2:
             return 1  # no batched prefill: one-row products are the fastest
         counts = sorted({2, *(rows for rows, _ in self.prefill_batch_shapes)})
         rng = np.random.default_rng(0)
         x = rng.standard_normal((counts[-1], cfg.hidden_size)).astype(self.params["embed"].dtype)
-        product = jax.jit(functools.partial(last_logits, cfg=cfg, product_rows=2))
         rows = jax.device_put(x, self._sharding)
-        want = np.asarray(product(self.params, rows[:1]))[0]
-        same = all(
-            np.array_equal(np.asarray(product(self.params, rows[:n]))[0], want) for n in counts
-        )
-        if not same:
-            logger.info("prefill logits: one product per row (row bits depend on row count)")
-        return 2 if same else 1
+        one = jax.jit(functools.partial(last_logits, cfg=cfg, product_rows=2))  # padded to 2
+        alone = np.stack([np.asarray(one(self.params, rows[i : i + 1]))[0] for i in range(len(x))])
+        shared = 2
+        for n in counts:
+            product = jax.jit(functools.partial(last_logits, cfg=cfg, product_rows=n))
+            if not np.array_equal(np.asarray(product(self.params, rows[:n])), alone[:n]):
+                break
+            shared = n
+        if shared < counts[-1]:
+            logger.info("prefill logits: products of at most %d rows (bits differ past)", shared)
+        return shared
 
     def _chunks_prompts(self, config: EngineConfig) -> bool:
         """Chunking is on when asked for and some prompt would not fit the largest bucket."""
@@ -866,12 +873,39 @@ class Engine:
             self.prefill([0] * length, sampling, prompt_logprobs=True)
             prefixes.append(self.prefill([0] * length, sampling))
         self.resample(prefixes[-1], sampling)
-        for rows, bucket in self.prefill_batch_shapes:
-            length = min(bucket, self.max_prompt_len)
-            self.prefill_batch([([0] * length, sampling)] * rows)
+        self._keep_exact_batch_shapes(sampling)
         if self.prefill_chunk is not None or self.prefix_cache is not None:
             prefixes += self._warm_pieces(sampling)
         return prefixes
+
+    def _keep_exact_batch_shapes(self, sampling: SamplingParams) -> None:
+        """Compile the batched prefill shapes and keep those where a prompt gets the bits
+        it gets alone (the first token and last logits of every row of a batch of one
+        random prompt). Measured, not assumed: XLA:CPU picks its kernels by row count,
+        and where the rule of SAME_KERNEL_ROWS held on one 2-core machine, another's
+        (AVX-512) rounded a 16- or 32-token prompt otherwise in every batch."""
+        pool, self.prefix_cache = self.prefix_cache, None  # nothing of this is kept
+        kept: list[tuple[int, int]] = []
+        dropped: list[tuple[int, int]] = []
+        try:
+            rng = np.random.default_rng(0)
+            for rows, bucket in self.prefill_batch_shapes:
+                length = min(bucket, self.max_prompt_len)
+                prompt = rng.integers(0, self.vocab_size, length).tolist()
+                alone = self._prefill_bucket(prompt, sampling, False)
+                want = np.asarray(alone.last_logits), int(alone.token)
+                batched = self.prefill_batch([(prompt, sampling)] * rows)
+                same = all(
+                    np.array_equal(np.asarray(p.last_logits), want[0]) and int(p.token) == want[1]
+                    for p in batched
+                )
+                (kept if same else dropped).append((rows, bucket))
+        finally:
+            self.prefix_cache = pool
+        if dropped:
+            logger.info("batched prefill shapes %s dropped: a prompt's bits differ there", dropped)
+        self.prefill_batch_shapes = tuple(kept)
+        self.max_prefill_batch = max((r for r, _ in kept), default=1)
 
     def _blank_prefixes(self, sampling: SamplingParams) -> list[Prefix]:
         """Host prefixes of every cache shape this engine's prefill gives, zeros throughout."""

@@ -70,9 +70,9 @@ _MAX_RETRY_AFTER_S = 60.0  # clients (the openai SDK among them) ignore longer w
 class OrchestratorConfig:
     max_queued_samples: int = 256  # admission bound in samples; beyond it submit raises Overloaded
     # Prefilled samples waiting for a slot (device memory). At least a full prefill batch
-    # (EngineConfig.max_prefill_batch, 8): with 4, half of a batch of 8 waited for the
+    # (EngineConfig.max_prefill_batch, 16): with 4, half of a batch of 8 waited for the
     # generate stage to insert the other half before the next prompts could be prefilled.
-    prefill_queue_size: int = 8
+    prefill_queue_size: int = 16
     # Generate steps the detokenize stage may lag behind. A new sample's first token goes
     # ahead of them (FirstTokensAhead); its insert still runs on the device after them.
     detokenize_queue_size: int = 2
@@ -157,7 +157,7 @@ class Orchestrator:
             self._stop,
             reject=self._reject,
             fault=Fault("prefill", plan),
-            clock=clock if prefill_engine is None else StepClock(prefill_first=False),
+            clock=clock if prefill_engine is None else StepClock(shared=False),
         )
         self._generate = GenerateStage(
             engine,

@@ -6,9 +6,11 @@ other code reads or writes them. Receives: PrefillDone, ReleaseSlot,
 CancelJob (generate inbox). Emits: SlotAssigned, StepTokens (detokenize
 queue), with device arrays it never waits on.
 
-It blocks only when no slot is busy and nothing is pending. A slot is freed
-here as soon as its sample has used its token budget (max_tokens or the
-context end), and otherwise when the detokenize stage says the sample ended.
+It blocks only when no slot is busy and nothing is pending, and holds its next
+step while a prefill call has the turn (StepClock: calls and steps alternate on
+shared devices, and a call's samples go into slots before the step after it).
+A slot is freed here as soon as its sample has used its token budget (max_tokens
+or the context end), and otherwise when the detokenize stage says it ended.
 Budgets are counted here only: the message that carries a sample's last
 token says so, and the detokenize stage ends the sample on it.
 Slots are handed out lowest first, so the busy ones sit low, and each step
@@ -122,12 +124,13 @@ class GenerateStage:
         }
         try:
             while not self._stop.is_set():
+                calls = self._clock.calls_ended  # before the inbox: what they handed on is in it
                 for message in self._receive():
                     handlers[type(message)](message)  # type: ignore[operator]
                 self._insert_pending()
                 self._settle()
                 if self.slots_in_use and not self._stop.is_set():
-                    self._step()
+                    self._step(calls)
                 else:
                     self._flush()
                     self._clock.idle()
@@ -207,11 +210,12 @@ class GenerateStage:
             if last:
                 self._free_slot(slot)
 
-    def _step(self) -> None:
+    def _step(self, calls_ended: int) -> None:
+        if not self._clock.begin_step(self._stop, calls_ended):
+            return  # a prefill call has the turn, or handed on samples to insert first
         self._fault.tick()
         highest = max(slot for slot, occupant in enumerate(self._slots) if occupant is not None)
         batch = self._engine.decode_bucket(highest + 1)
-        self._clock.wait_prefills()  # prompts first: their first tokens wait for nothing else
         self._state, output = self._engine.generate(self._state, batch)
         self._flush()  # the previous step's held messages, settled: after the dispatch
         self.steps += 1

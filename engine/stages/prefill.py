@@ -4,7 +4,7 @@ Runs on: the prefill thread. Owns: nothing but its calls into engine.prefill,
 engine.prefill_batch and engine.resample. Prompts waiting together are
 prefilled in one call, as many as the engine says fit one of its compiled
 (batch, length) shapes; a prompt longer than the largest bucket is prefilled
-in chunks, with a decode step let through between two (StepClock).
+in chunks. Calls take turns with decode steps (StepClock).
 Receives: Job (admission queue). Emits: PrefillDone into
 its sink, which is the generate inbox when prefill and generate share devices
 and would be a transfer stage's inbox in disaggregated mode.
@@ -87,11 +87,19 @@ class PrefillStage:
         return request.prompt_logprobs or self._engine.cached_tokens(request.prompt_ids) > 0
 
     def _prefill(self, batch: list[Job]) -> None:
-        """Prefill the batch in one engine call; a request's bad data fails it alone."""
+        """Prefill the batch in one engine call, in its turn (StepClock); a request's bad
+        data fails it alone."""
         started = time.monotonic()
         for job in batch:
             job.stream.timings.prefill_start = started
             self._fault.tick()
+        self._clock.prefill_turn(self._stop)
+        try:
+            self._call(batch)
+        finally:
+            self._clock.prefill_ended()
+
+    def _call(self, batch: list[Job]) -> None:
         try:
             if len(batch) == 1:
                 request = batch[0].request
@@ -107,33 +115,37 @@ class PrefillStage:
                 prompts = [(job.request.prompt_ids, job.samplings[0]) for job in batch]
                 prefixes = self._engine.prefill_batch(prompts)
         except REQUEST_ERRORS as exc:  # this request's fault (or one of the batch's)
+            self._clock.prefill_ended()
             if len(batch) == 1:
                 self._reject(batch[0], exc)
             else:  # find which: each alone
                 for job in batch:
                     self._prefill([job])
             return
-        firsts = [prefix.token for prefix in prefixes]
-        self._clock.prefilled(firsts)
         # Wait for the call before taking the next prompts: the ones arriving meanwhile then
         # make one batch. Dispatching on at once, a burst that trickled in over HTTP went
         # out as many calls of 1-2 prompts (a burst of 32 on the 70m-128k model: TTFT p50
         # ~1.3 s in some runs, ~0.55 s in others).
-        jax.block_until_ready(firsts)
+        jax.block_until_ready([prefix.token for prefix in prefixes])
         ended = time.monotonic()
         for job, prefix in zip(batch, prefixes, strict=True):
             job.stream.timings.prefill_end = ended
             self._hand_on(job, prefix)
 
     def _between_chunks(self) -> None:
-        """A long prompt's chunks alternate with decode steps of the running streams."""
+        """A long prompt's chunks take turns with decode steps of the running streams."""
         self._fault.tick()
-        self._clock.let_one_through(self._stop)
+        self._clock.prefill_ended()
+        self._clock.prefill_turn(self._stop)
 
     def _hand_on(self, job: Job, prefix: Prefix) -> None:
         """Every sample of the job to the sink; n > 1 reuse the prompt KV, new first tokens."""
         for index, sampling in enumerate(job.samplings):
-            if job.cancelled.is_set() or not self._credits.acquire(self._stop):
+            # The samples reach the generate stage before its steps may go on (they then
+            # ride in the next one), unless that would mean waiting for a slot.
+            if job.cancelled.is_set() or not self._credits.acquire(
+                self._stop, before_wait=self._clock.prefill_ended
+            ):
                 return
             try:
                 sample = prefix if index == 0 else self._engine.resample(prefix, sampling)

@@ -118,7 +118,15 @@ class Credits:
     def in_use(self) -> int:
         return self._in_use
 
-    def acquire(self, stop: threading.Event) -> bool:
+    def acquire(self, stop: threading.Event, before_wait: Callable[[], None] | None = None) -> bool:
+        """Take a credit, waiting for one; False if the orchestrator stopped first.
+        `before_wait` runs first if there is none to take at once."""
+        with self._cond:
+            if self._in_use < self.limit:
+                self._in_use += 1
+                return True
+        if before_wait is not None:
+            before_wait()
         with self._cond:
             while self._in_use >= self.limit:
                 if stop.is_set():
@@ -213,59 +221,99 @@ class AdmissionQueue:
 
 
 class StepClock:
-    """Decode steps as the generate stage dispatches them, for the prefill stage to wait on.
+    """Turns between prefill calls and decode steps on the devices they share.
 
-    Between two chunks of a long prompt the prefill stage waits for one decode
-    step dispatched after its chunk finished, and for that step's tokens, so
-    running streams get a step per chunk instead of waiting out the whole
-    prompt. Written by the generate thread only.
+    While prompts wait, prefill calls (a batch of prompts, a lone prompt, one chunk
+    of a long prompt) and decode steps take turns: a call starts once the decode
+    step dispatched after the previous call ended has finished (at once when
+    nothing decodes), and no step is dispatched while a call runs, or waits with
+    its step already dispatched. So a running stream waits out at most one prefill
+    call per token (vLLM's one token budget per scheduler step), and a call never
+    shares the cores with steps: under a burst of 32 prompts on the 70m-128k model
+    a batch of 16 took 73 ms alone and 122-134 ms beside the small steps of the
+    prompts before it, which each pay the whole vocabulary product for a few rows.
+    Where prefill has devices of its own (`shared=False`) nobody waits.
+
+    Written by the prefill thread (`prefill_turn`, `prefill_ended`) and the generate
+    thread (`busy`, `idle`, `begin_step`, `stepped`).
     """
 
-    WAIT_S = 1.0  # a chunk never waits longer for a step than this
+    WAIT_S = 1.0  # a prefill call never waits longer for its step than this
 
-    def __init__(self, prefill_first: bool = True) -> None:
-        """`prefill_first`: a decode step waits for the prefill calls dispatched before it
-        (False where prefill has devices of its own)."""
+    def __init__(self, shared: bool = True) -> None:
         self._cond = threading.Condition()
-        self._steps = 0
-        self._busy = False
+        self._shared = shared
+        self._claimed = 0  # steps the generate thread has begun
+        self._dispatched = 0  # ... and dispatched; _tokens is the last one's output
         self._tokens: object = None
-        self._prefill_first = prefill_first
-        self._prefills: list[object] = []
+        self._busy = False
+        self._prefill = "idle"  # "waiting" for its step, "running", or "idle"
+        self._mark = 0  # steps begun when the last prefill call ended
+        self.calls_ended = 0  # prefill calls ended so far (read by the generate thread)
 
-    def prefilled(self, outputs: object) -> None:
-        """A prefill call was dispatched; `outputs` are its (device) results. Written by the
-        prefill thread."""
-        if self._prefill_first:
-            with self._cond:
-                self._prefills.append(outputs)
+    # -- prefill thread --------------------------------------------------------------------
 
-    def wait_prefills(self) -> None:
-        """Before a decode step: wait for the prefill calls dispatched so far (generate thread).
-
-        On shared cores a prefill call and decode steps run at once and the prefill gets
-        about half of them, so under a burst the prompts prefilled later waited for their
-        first token behind every step of the ones before (a burst of 32 on the 70m-128k
-        model: TTFT p50 1.26 s). A step held back until the prefills before it are done
-        gives them the device; prefills dispatched after it still overlap it.
-        """
+    def prefill_turn(self, stop: threading.Event) -> None:
+        """Before a prefill call: wait for the step owed to the running streams, if any."""
+        if not self._shared:
+            return
         with self._cond:
-            pending, self._prefills = self._prefills, []
-        if pending:
-            jax.block_until_ready(pending)
+            self._prefill = "waiting"
+            self._cond.wait_for(
+                lambda: (
+                    not self._busy
+                    or stop.is_set()
+                    or self._dispatched == self._claimed > self._mark
+                ),
+                self.WAIT_S,
+            )
+            self._prefill = "running"
+            tokens = self._tokens if self._dispatched > self._mark else None
+        if tokens is not None:
+            jax.block_until_ready(tokens)
+
+    def prefill_ended(self) -> None:
+        """The call is done (its outputs waited for): steps may go again. Idempotent."""
+        with self._cond:
+            if self._prefill != "idle":
+                self._prefill = "idle"
+                self._mark = self._claimed
+                self.calls_ended += 1
+                self._cond.notify_all()
+
+    # -- generate thread -------------------------------------------------------------------
+
+    def begin_step(self, stop: threading.Event, calls_ended: int | None = None) -> bool:
+        """Right before dispatching a step: True, and the step is counted. False while a
+        prefill call has the turn (after waiting up to POLL_S for it to end), or when a
+        call ended since the caller read `calls_ended` (before taking in its inbox): the
+        caller then takes in what the call handed on, so it rides in this step, and asks
+        again."""
+        with self._cond:
+            if self._held():
+                self._cond.wait_for(lambda: not self._held() or stop.is_set(), POLL_S)
+                return False
+            if calls_ended is not None and calls_ended != self.calls_ended:
+                return False
+            self._claimed += 1
+            return True
+
+    def _held(self) -> bool:
+        return self._prefill == "running" or (
+            self._prefill == "waiting" and self._claimed > self._mark
+        )
 
     def stepped(self, tokens: object) -> None:
-        """A step was dispatched; `tokens` is its (device) output."""
+        """The step begun last was dispatched; `tokens` is its (device) output."""
         with self._cond:
-            self._steps += 1
+            self._dispatched = self._claimed
             self._busy = True
             self._tokens = tokens
             self._cond.notify_all()
 
     def busy(self) -> None:
-        """A slot was filled: a step is coming, so a chunk waits for it (before the first
-        step of a batch, a chunk that found decoding idle went on at once, and the first
-        chunks of a long prompt ran back to back)."""
+        """A slot was filled: a step is coming, so a prefill call waits for it (a call
+        that found decoding idle before the first step of a batch went on at once)."""
         with self._cond:
             self._busy = True
 
@@ -275,14 +323,3 @@ class StepClock:
             if self._busy:
                 self._busy = False
                 self._cond.notify_all()
-
-    def let_one_through(self, stop: threading.Event) -> None:
-        """Wait for the next decode step and its tokens, unless decoding is idle."""
-        with self._cond:
-            start = self._steps
-            self._cond.wait_for(
-                lambda: self._steps > start or not self._busy or stop.is_set(), self.WAIT_S
-            )
-            tokens = self._tokens if self._steps > start else None
-        if tokens is not None:
-            jax.block_until_ready(tokens)

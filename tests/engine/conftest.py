@@ -36,3 +36,15 @@ def small_engine(tiny_checkpoint_of: CheckpointFactory) -> Any:
     engine = Engine(EngineConfig(tiny_checkpoint_of("llama"), max_slots=4, max_model_len=64))
     engine.warmup()
     return engine
+
+
+def batch_lengths(engine: Any, count: int = 2) -> list[int] | None:
+    """Lengths of `count` prompts that make one batched prefill call on a warmed-up engine,
+    in the shortest bucket that has a batch shape (None: there is none). Which buckets
+    batch depends on the machine: warm-up keeps only the shapes where a prompt has the
+    bits it has alone (engine.engine.Engine._keep_exact_batch_shapes)."""
+    buckets = [b for rows, b in engine.prefill_batch_shapes if rows >= count]
+    if not buckets:
+        return None
+    top = min(min(buckets), engine.max_prompt_len)
+    return [top - i for i in range(count)]

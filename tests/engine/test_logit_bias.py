@@ -4,8 +4,10 @@ decode step obey them, and slots without them keep their bits beside slots with 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from engine.types import SamplingParams
+from tests.engine.conftest import batch_lengths
 
 PROMPT = [0, 42, 364, 78, 81, 277, 67]
 STEPS = 8
@@ -58,9 +60,10 @@ def test_allowed_token_ids_restrict_every_sampled_token(small_engine):
 
 def test_allowed_token_ids_and_bias_in_a_batched_prefill(small_engine):
     allowed = (9, 10)
+    long, short = batch_lengths(small_engine) or pytest.fail("no batched prefill shape")
     prompts = [
-        (PROMPT, SamplingParams(temperature=1.0, seed=3, allowed_token_ids=allowed)),
-        (PROMPT[:5], SamplingParams(temperature=0.0, seed=4, logit_bias=((77, 100.0),))),
+        ((PROMPT * 10)[:long], SamplingParams(temperature=1.0, seed=3, allowed_token_ids=allowed)),
+        ((PROMPT * 10)[:short], SamplingParams(temperature=0.0, seed=4, logit_bias=((77, 100.0),))),
     ]
     assert small_engine.batch_fits([len(p) for p, _ in prompts])
     first, second = small_engine.prefill_batch(prompts)

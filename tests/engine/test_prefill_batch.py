@@ -90,15 +90,45 @@ def test_decoding_from_a_batched_prefix_gives_the_same_tokens(small_engine: Any)
 
 def test_batch_shapes_are_bounded(small_engine: Any) -> None:
     engine = small_engine  # buckets 16, 32, 64 (max_model_len 64), 2048 tokens a call at most
-    assert engine.prefill_batch_shapes == ((2, 16), (2, 64), (4, 64), (8, 64))
-    assert engine.max_prefill_batch == 8
+    candidates = engine_module.prefill_batch_shapes(engine.prefill_buckets, 16, 2048)
+    assert candidates == ((2, 16), (2, 64), (4, 64), (8, 64), (16, 64))
+    kept = engine.prefill_batch_shapes  # what warm-up measured to keep a prompt's bits
+    assert set(kept) <= set(candidates) and {(8, 64), (16, 64)} <= set(kept)
+    assert engine.max_prefill_batch == 16
     assert engine.batch_fits([40, 50, 33, 63])  # one bucket (64)
-    assert engine.batch_fits([5, 12])  # two short ones still take one kernel
+    assert engine.batch_fits([5, 12]) == ((2, 16) in kept)  # two short ones, where exact
     assert not engine.batch_fits([5, 12, 3])  # 3 x 16 rows would take the other kernel
     assert not engine.batch_fits([5, 40])  # buckets 16 and 64: padding would waste work
-    assert not engine.batch_fits([40] * 9)  # more rows than compiled
+    assert not engine.batch_fits([40] * 17)  # more rows than compiled
     with pytest.raises(ValueError, match="do not fit"):
         engine.prefill_batch([([1] * 5, SAMPLINGS[0]), ([1] * 40, SAMPLINGS[0])])
+
+
+def test_warm_up_drops_the_batch_shapes_where_a_prompt_s_bits_differ(
+    small_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = small_engine
+    monkeypatch.setattr(engine, "prefill_batch_shapes", engine.prefill_batch_shapes)
+    monkeypatch.setattr(engine, "max_prefill_batch", engine.max_prefill_batch)
+    real = engine._prefill_many
+
+    def four_rows_round_otherwise(params: Any, tokens: Any, *args: Any) -> Any:
+        out = real(params, tokens, *args)
+        if tokens.shape[0] == 4:
+            for row in out["rows"]:
+                row["last_logits"] = row["last_logits"] + jnp.float32(1e-6)
+        return out
+
+    monkeypatch.setattr(engine, "_prefill_many", four_rows_round_otherwise)
+    before = engine.prefill_batch_shapes
+    engine._keep_exact_batch_shapes(SamplingParams(temperature=0.0, seed=0))
+    assert engine.prefill_batch_shapes == tuple(s for s in before if s[0] != 4)
+    assert engine.batch_fits([40] * 3)  # padded to the 8-row shape instead
+    sampling = SamplingParams(temperature=0.0, seed=0)
+    prompts = [[(5 * r + i) % 300 for i in range(40 + r)] for r in range(3)]
+    batched = engine.prefill_batch([(p, sampling) for p in prompts])
+    for prompt, prefix in zip(prompts, batched, strict=True):
+        assert_same_prefix(prefix, engine.prefill(prompt, sampling))
 
 
 class GatedBatchEngine(FakeEngine):
@@ -191,8 +221,8 @@ def test_a_bad_prompt_in_a_batch_fails_alone() -> None:
 def test_last_logits_keep_one_kind_of_product_per_mode(small_engine: Any) -> None:
     engine = small_engine
     cfg = engine.model_config
-    rows = jnp.asarray(np.random.default_rng(1).standard_normal((4, cfg.hidden_size)), jnp.float32)
-    per_row = np.asarray(last_logits(engine.params, rows, cfg, 1))
+    rows = jnp.asarray(np.random.default_rng(1).standard_normal((8, cfg.hidden_size)), jnp.float32)
+    per_row = np.asarray(last_logits(engine.params, rows[:4], cfg, 1))
     for i in range(4):  # mode 1: each row its own one-row product
         alone = np.asarray(logits_of(engine.params, rows[i : i + 1], cfg))[0]
         assert same(per_row[i], alone)
@@ -200,21 +230,55 @@ def test_last_logits_keep_one_kind_of_product_per_mode(small_engine: Any) -> Non
     two = np.asarray(step_logits(engine.params, rows[:2], cfg))  # a 2-row decode step's product
     two = two.T if cfg.vocab_major_head else two
     assert padded.shape == (1, cfg.vocab_size) and same(padded[0], two[0])
+    grouped = np.asarray(last_logits(engine.params, rows, cfg, 4))  # 8 rows: 2 products of 4
+    assert grouped.shape == (8, cfg.vocab_size)
+    for start in (0, 4):
+        group = np.asarray(step_logits(engine.params, rows[start : start + 4], cfg))
+        group = group.T if cfg.vocab_major_head else group
+        assert same(grouped[start : start + 4], group)
 
 
-def test_prefill_logits_fall_back_to_one_product_per_row_where_bits_depend_on_rows(
-    small_engine: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The engine measures whether its backend keeps a row's bits across row counts; a
-    backend that does not (here: a product whose rounding depends on its row count) gets
-    one product per row, so a batched prompt still has the bits of the prompt alone."""
-    engine = small_engine
-    assert engine._shared_row_kernel(engine.model_config) == engine._product_rows
+def rounding_by_rows(limit: int) -> Any:
+    """last_logits on a backend that rounds a product of more than `limit` rows otherwise."""
     real = engine_module.last_logits
 
-    def rounding_by_row_count(params: Any, rows: Any, cfg: Any, product_rows: int) -> Any:
+    def product(params: Any, rows: Any, cfg: Any, product_rows: int) -> Any:
         out = real(params, rows, cfg, product_rows)
-        return out + jnp.float32(1e-6) * max(rows.shape[0], product_rows)
+        size = max(2, min(rows.shape[0], product_rows))  # the rows of each product
+        return out + jnp.float32(1e-6) * (size > limit)
 
-    monkeypatch.setattr(engine_module, "last_logits", rounding_by_row_count)
-    assert engine._shared_row_kernel(engine.model_config) == 1
+    return product
+
+
+def test_prefill_logits_take_products_of_as_many_rows_as_keep_their_bits(
+    small_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine measures up to how many rows a product keeps a row's bits on its
+    backend and never takes more (engine.model.last_logits splits larger batches)."""
+    engine = small_engine
+    assert engine._shared_row_kernel(engine.model_config) == engine._product_rows
+    monkeypatch.setattr(engine_module, "last_logits", rounding_by_rows(4))
+    assert engine._shared_row_kernel(engine.model_config) == 4
+    monkeypatch.setattr(engine_module, "last_logits", rounding_by_rows(2))
+    assert engine._shared_row_kernel(engine.model_config) == 2
+
+
+def test_a_batch_split_into_several_logits_products_keeps_each_prompt_s_bits(
+    tiny_checkpoint_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of 8 prompts on an engine whose products take at most 2 rows: four
+    products, and every prompt's Prefix as alone."""
+    from engine.engine import Engine, EngineConfig
+
+    monkeypatch.setattr(Engine, "_shared_row_kernel", lambda self, cfg: 2)
+    engine = Engine(
+        EngineConfig(
+            tiny_checkpoint_of("llama"), max_slots=2, max_model_len=64, max_prefill_batch=8
+        )
+    )
+    assert engine._product_rows == 2
+    sampling = SamplingParams(temperature=0.0, seed=0)
+    prompts = [[(11 * r + i) % 300 for i in range(40 + r)] for r in range(8)]
+    batched = engine.prefill_batch([(p, sampling) for p in prompts])
+    for prompt, prefix in zip(prompts, batched, strict=True):
+        assert_same_prefix(prefix, engine.prefill(prompt, sampling))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.types import SamplingParams
+from tests.engine.conftest import batch_lengths
 
 TRACE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -106,7 +107,8 @@ def test_logit_bias_and_allowed_token_ids_compile_nothing(small_engine, compile_
             prefix = engine.prefill([3, 4, 5, 6][: i + 1], sampling)
             state = engine.insert(engine.resample(prefix, sampling), state, slot)
             state, out = engine.generate(state, batch)
-    engine.prefill_batch([([1, 2], samplings[0]), ([3], samplings[1])])
+    long, short = batch_lengths(engine) or pytest.fail("no batched prefill shape")
+    engine.prefill_batch([(([1, 2] * long)[:long], samplings[0]), ([3] * short, samplings[1])])
     jax.block_until_ready(out.tokens)
     assert compile_events == []
     assert {name: f._cache_size() for name, f in jitted(engine).items()} == sizes_before

@@ -18,6 +18,7 @@ from engine.checkpoint import load_params
 from engine.config import load_model_config, tensor_parallel
 from engine.engine import Engine, EngineConfig
 from engine.types import SamplingParams
+from tests.engine.conftest import batch_lengths
 from tests.engine.test_recompile import compile_events  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -155,7 +156,8 @@ def test_no_compile_after_warmup(warmed_tp2, compile_events):  # noqa: F811
         state = engine.insert(prefix, engine.free(state, slot), slot)
         for batch in engine.decode_buckets:
             state, out = engine.generate(state, batch)
-    engine.prefill_batch([(PROMPTS[0], GREEDY), (PROMPTS[1], SEEDED)])
+    long, short = batch_lengths(engine) or pytest.fail("no batched prefill shape")
+    engine.prefill_batch([((PROMPTS[2] * 2)[:long], GREEDY), ((PROMPTS[2] * 2)[:short], SEEDED)])
     jax.block_until_ready(out.tokens)
     assert compile_events == []
 
