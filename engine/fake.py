@@ -151,6 +151,10 @@ class FakeEngine:
             echo = [None] + [TokenLogprobs(int(t), fake_logprob(int(t))) for t in token_ids[1:]]
         return self._prefix(len(token_ids), sampling, base, bucket, echo)
 
+    def prefill_parts(self, token_ids: Sequence[int]) -> int:
+        """Every prompt fits a bucket here."""
+        return 1
+
     def batch_fits(self, lengths: Sequence[int]) -> bool:
         """Up to max_prefill_batch prompts of one bucket, as the real engine groups them."""
         buckets = {bisect.bisect_left(self.prefill_buckets, n) for n in lengths}

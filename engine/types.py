@@ -317,6 +317,11 @@ class EngineProtocol(Protocol):
         """Prompt tokens a prefill would now find in the prefix cache (host-only, no effect)."""
         ...
 
+    def prefill_parts(self, token_ids: Sequence[int]) -> int:
+        """Device calls `prefill` would now make for this prompt: its chunks, or the pieces
+        after a prefix-cache hit; 1 for a prompt that fits a bucket (host-only)."""
+        ...
+
     def batch_fits(self, lengths: Sequence[int]) -> bool:
         """Whether prompts of these lengths can be prefilled in one `prefill_batch` call."""
         ...

@@ -36,7 +36,7 @@ class ServerConfig:
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two up to the context
     dtype: str = "float32"
     max_prefill_batch: int = 16  # prompts prefilled in one call (1: one at a time)
-    prefill_chunk: int = 512  # longer prompts are prefilled this many tokens a call (0: off)
+    prefill_chunk: int = 256  # longer prompts are prefilled this many tokens a call (0: off)
     prefix_cache_blocks: int = 0  # 16-token blocks of prompt KV kept for reuse (0: off)
     # The KV pools' device memory cap (decode cache + prompt buffer + prefix pool), bytes;
     # with it, prefix_cache_blocks -1 gives the prefix cache whatever the others leave.

@@ -93,7 +93,9 @@ class PrefillStage:
         for job in batch:
             job.stream.timings.prefill_start = started
             self._fault.tick()
-        self._clock.prefill_turn(self._stop)
+        # one call holds the steps for its duration; a long prompt's calls run beside them
+        long = len(batch) == 1 and self._engine.prefill_parts(batch[0].request.prompt_ids) > 1
+        self._clock.prefill_turn(self._stop, hold=not long)
         try:
             self._call(batch)
         finally:
@@ -136,7 +138,7 @@ class PrefillStage:
         """A long prompt's chunks take turns with decode steps of the running streams."""
         self._fault.tick()
         self._clock.prefill_ended()
-        self._clock.prefill_turn(self._stop)
+        self._clock.prefill_turn(self._stop, hold=False)
 
     def _hand_on(self, job: Job, prefix: Prefix) -> None:
         """Every sample of the job to the sink; n > 1 reuse the prompt KV, new first tokens."""

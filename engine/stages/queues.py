@@ -223,16 +223,21 @@ class AdmissionQueue:
 class StepClock:
     """Turns between prefill calls and decode steps on the devices they share.
 
-    While prompts wait, prefill calls (a batch of prompts, a lone prompt, one chunk
-    of a long prompt) and decode steps take turns: a call starts once the decode
-    step dispatched after the previous call ended has finished (at once when
-    nothing decodes), and no step is dispatched while a call runs, or waits with
-    its step already dispatched. So a running stream waits out at most one prefill
-    call per token (vLLM's one token budget per scheduler step), and a call never
-    shares the cores with steps: under a burst of 32 prompts on the 70m-128k model
-    a batch of 16 took 73 ms alone and 122-134 ms beside the small steps of the
-    prompts before it, which each pay the whole vocabulary product for a few rows.
-    Where prefill has devices of its own (`shared=False`) nobody waits.
+    While prompts wait, prefill calls and decode steps take turns: a call starts
+    once the decode step dispatched after the previous call ended has finished (at
+    once when nothing decodes), and no step is dispatched while a call runs, or
+    waits with its step already dispatched. So a running stream waits out at most
+    one prefill call per token (vLLM's one token budget per scheduler step: a call
+    takes at most max_prefill_batch_tokens), and a call never shares the cores with
+    steps: under a burst of 32 prompts on the 70m-128k model a batch of 16 took
+    73 ms alone and 122-134 ms beside the small steps of the prompts before it,
+    which each pay the whole vocabulary product for a few rows.
+
+    A long prompt's calls (its chunks) run beside the steps instead (`hold` False),
+    with one step between two of them: held for each chunk, streams on the 100m
+    model waited out ~1 s chunks of 512 tokens (inter-token p99 45x their p50);
+    beside them they go on at about half speed. Where prefill has devices of its
+    own (`shared=False`) nobody waits.
 
     Written by the prefill thread (`prefill_turn`, `prefill_ended`) and the generate
     thread (`busy`, `idle`, `begin_step`, `stepped`).
@@ -247,14 +252,16 @@ class StepClock:
         self._dispatched = 0  # ... and dispatched; _tokens is the last one's output
         self._tokens: object = None
         self._busy = False
-        self._prefill = "idle"  # "waiting" for its step, "running", or "idle"
+        self._prefill = "idle"  # "waiting" for its step, "running" (steps held), "beside"
         self._mark = 0  # steps begun when the last prefill call ended
         self.calls_ended = 0  # prefill calls ended so far (read by the generate thread)
 
     # -- prefill thread --------------------------------------------------------------------
 
-    def prefill_turn(self, stop: threading.Event) -> None:
-        """Before a prefill call: wait for the step owed to the running streams, if any."""
+    def prefill_turn(self, stop: threading.Event, hold: bool = True) -> None:
+        """Before a prefill call: wait for the step owed to the running streams, if any.
+        `hold` False: the call runs beside the steps (a long prompt's chunks, see
+        PrefillStage), which then get one step between two of its calls."""
         if not self._shared:
             return
         with self._cond:
@@ -267,7 +274,8 @@ class StepClock:
                 ),
                 self.WAIT_S,
             )
-            self._prefill = "running"
+            self._prefill = "running" if hold else "beside"
+            self._cond.notify_all()  # beside: the steps held while it waited go on
             tokens = self._tokens if self._dispatched > self._mark else None
         if tokens is not None:
             jax.block_until_ready(tokens)

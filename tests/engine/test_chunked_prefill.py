@@ -50,6 +50,19 @@ def test_buckets_stop_at_the_chunk_and_every_prompt_fits(engines):
     assert whole.prefill_buckets[-1] == MAX_LEN
 
 
+def test_prefill_parts_counts_the_calls_a_prompt_takes(engines):
+    """What the prefill stage asks before a prompt's turn (its chunks run beside steps)."""
+    chunked, whole = engines
+    calls = []
+    for length in (1, 32, *LENGTHS):
+        ids = prompt(length, chunked.vocab_size)
+        chunked.prefill(ids, GREEDY, between_chunks=lambda: calls.append(1))
+        assert chunked.prefill_parts(ids) == len(calls) + 1, length
+        calls.clear()
+    assert [chunked.prefill_parts([1] * n) for n in (32, 33, 64, 65, 99)] == [1, 2, 2, 3, 4]
+    assert whole.prefill_parts([1] * 99) == 1
+
+
 def test_short_prompts_keep_the_unchunked_path(tiny_checkpoint_of):
     """A context the buckets already cover turns chunking off (nothing to compile)."""
     engine = Engine(EngineConfig(tiny_checkpoint_of("llama"), max_slots=1, max_model_len=64))

@@ -24,6 +24,8 @@ from engine.stages.detokenize import text_streams
 from engine.stages.queues import StepClock
 from engine.types import Prefix, SamplingParams
 
+GREEDY = SamplingParams(temperature=0.0, seed=0)
+
 
 class Pending:
     """A device value named `name`: ready once waited for (logged the first time)."""
@@ -125,6 +127,29 @@ def test_a_prefill_call_waits_for_the_step_owed_and_holds_steps_while_it_runs() 
     assert clock.begin_step(stop)
 
 
+def test_a_call_beside_the_steps_still_waits_for_the_step_owed_but_holds_none() -> None:
+    stop = threading.Event()
+    clock = StepClock()
+    log: list[str] = []
+    assert clock.begin_step(stop)
+    clock.stepped(Output("s0", log))
+    clock.prefill_turn(stop, hold=False)  # a long prompt's first chunk: s0 is owed
+    assert log == ["s0"]
+    assert clock.begin_step(stop)  # steps go on beside it
+    clock.stepped(Output("s1", log))
+    clock.prefill_ended()
+    waiting = threading.Thread(target=clock.prefill_turn, args=(stop, False))
+    waiting.start()  # the next chunk: after one more step (s1 began before the chunk ended)
+    time.sleep(0.2)
+    assert waiting.is_alive()
+    assert clock.begin_step(stop)
+    assert not clock.begin_step(stop)  # only the one owed, while the chunk waits
+    clock.stepped(Output("s2", log))
+    waiting.join(timeout=2)
+    assert not waiting.is_alive() and log == ["s0", "s2"]
+    assert clock.begin_step(stop)
+
+
 def test_a_step_is_not_begun_past_a_call_that_ended_after_the_inbox_was_read() -> None:
     """The generate thread reads calls_ended, then its inbox; a call that ends between
     the two handed its samples on before ending, so the step must wait for them."""
@@ -203,3 +228,61 @@ def test_prefill_calls_and_steps_take_turns_and_tokens_stay_exact() -> None:
         assert f"ready {before[-1]}" in log[:at], (k, log[calls[k - 1] : at + 1])  # done first
         inserted = [i for i, e in enumerate(log) if e == f"insert prefill {k - 1}"]
         assert inserted and max(inserted) < log.index(before[0]), (k, log[calls[k - 1] : at])
+
+
+class ChunkingEngine(LoggingEngine):
+    """Prompts longer than CHUNKED take three calls, logged "chunk K.i" when dispatched and
+    "ready chunk K.i" when done (each ~10 ms on the prefill thread, its "device")."""
+
+    CHUNKED = 20
+
+    def prefill_parts(self, token_ids: Sequence[int]) -> int:
+        return 3 if len(token_ids) > self.CHUNKED else 1
+
+    def prefill(self, token_ids: Sequence[int], sampling: SamplingParams, **kw: Any) -> Prefix:
+        between = kw.pop("between_chunks", None)
+        if self.prefill_parts(token_ids) == 1:
+            return super().prefill(token_ids, sampling, **kw)
+        with self.lock:
+            call = self.calls
+            self.calls += 1
+        for part in range(3):
+            if part:
+                between()
+            with self.lock:
+                self.log.append(f"chunk {call}.{part}")
+            time.sleep(0.01)
+            with self.lock:
+                self.log.append(f"ready chunk {call}.{part}")
+        prefix = FakeEngine.prefill(self, token_ids, sampling, **kw)
+        token = Pending(int(prefix.token), f"chunk {call}.2", self.log, self.lock)
+        return dataclasses.replace(prefix, token=token)
+
+
+def test_a_long_prompt_s_chunks_run_beside_the_steps_with_one_between_two() -> None:
+    delays = FakeDelays(generate=(0.001, 0.002))
+    engine = ChunkingEngine(max_slots=8, delays=delays)
+    tokenizer = FakeTokenizer()
+    orch = Orchestrator(engine, text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids))
+    orch.start()
+    try:
+        running = orch.submit(ActiveRequest("running", (1, 2, 3), GREEDY, max_tokens=200))
+        while engine.steps_taken < 3:
+            time.sleep(0.001)
+        long_prompt = tuple(range(5, 5 + 2 * ChunkingEngine.CHUNKED))
+        long = orch.submit(ActiveRequest("long", long_prompt, GREEDY, max_tokens=4))
+        got = [[t for d in s.collect(timeout=30) for t in d.token_ids] for s in (running, long)]
+    finally:
+        orch.stop()
+    assert got == [
+        [fake_token((1, 2, 3), 0, k) for k in range(200)],
+        [fake_token(long_prompt, 0, k) for k in range(4)],
+    ]
+    log = list(engine.log)
+    for part in range(3):
+        start, ready = log.index(f"chunk 1.{part}"), log.index(f"ready chunk 1.{part}")
+        beside = [e for e in log[start:ready] if e.startswith("step ")]
+        assert beside, (part, log[start : ready + 1])  # steps went on during the chunk
+        if part:
+            before = [e for e in log[:start] if e.startswith("step ")][-1]
+            assert f"ready {before}" in log[:start]  # and one finished before it

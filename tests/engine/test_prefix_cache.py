@@ -103,6 +103,7 @@ def test_a_hit_computes_the_rest_and_matches_the_whole_prompt(engines, rest):
     cached.prefill(shared + ids(7, salt=99), GREEDY)  # stores the 3 shared blocks
     before = cached.cache_stats()
     prompt = shared + ids(rest, salt=50)
+    assert cached.prefill_parts(prompt) == -(-rest // 32)  # the rest, in chunks of 32
     logits, tokens = decode(cached, prompt)
     after = cached.cache_stats()
     assert after.prefix_hits - before.prefix_hits == 3 * B

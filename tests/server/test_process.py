@@ -248,7 +248,7 @@ def test_sigterm_during_warm_up_drains_and_exits_zero(
             assert proc.poll() is None, "server exited during start-up"
             assert time.monotonic() < deadline, "the engine was never built"
             time.sleep(0.05)
-        time.sleep(1.0)  # into the compiles of the default shapes (8 slots, buckets to 512)
+        time.sleep(1.0)  # into the compiles of the default shapes (8 slots, buckets to 256)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
     finally:
