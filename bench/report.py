@@ -71,18 +71,34 @@ def markdown(results: dict[str, Any]) -> str:
     for key, per_level in r.items():
         if not key.startswith("ours_over_"):
             continue
+        paired = any("paired" in v for v in per_level.values())
         lines += [
             "",
             f"## ours / {key.removeprefix('ours_over_')}, per concurrency",
             "",
-            "| concurrency | output tok/s | TTFT p50 | ITL p50 |",
-            "| --- | --- | --- | --- |",
+            "| concurrency | output tok/s | TTFT p50 | ITL p50 |"
+            + (" paired: output tok/s | TTFT p50 | ITL p50 | rounds |" if paired else ""),
+            "| --- | --- | --- | --- |" + (" --- | --- | --- | --- |" if paired else ""),
         ]
         for level, v in per_level.items():
-            lines.append(
+            row = (
                 f"| {level} | {_f(v['output_tok_per_s'], 3)} | {_f(v['ttft_p50'], 3)} | "
                 f"{_f(v['itl_p50'], 3)} |"
             )
+            if paired:
+                p = v.get("paired", {})
+                row += (
+                    f" {_f(p.get('output_tok_per_s'), 3)} | {_f(p.get('ttft_p50'), 3)} | "
+                    f"{_f(p.get('itl_p50'), 3)} | {p.get('rounds', '-')} |"
+                )
+            lines.append(row)
+        if paired:
+            lines += [
+                "",
+                "Pooled: over every round's requests. Paired: the median over rounds of the "
+                "two servers' ratio in that round (each round sends each server the same "
+                "prompts, one server after the other).",
+            ]
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,11 @@ For one checkpoint and one workload it measures, in this order:
      server), then a full-occupancy probe (`--max-slots` requests at once;
      output tokens/s while all of them decode);
   3. engine-only again, so drift of a shared machine shows.
+With `--rounds N` (2 or more) every server is started first and kept up, and each
+round sends each level (then the probe) to every server in turn, the first one
+rotating: a slow minute of the shared machine falls on all of them alike. Levels
+pool their rounds' requests, and ours/peer ratios also come per round (the median
+of the rounds' ratios, "paired").
 It writes results.json, results.md (tables and ratios) and PNG plots into
 --out. Peers that are not installed are recorded as skipped.
 """
@@ -29,8 +34,11 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +70,77 @@ def level_summary(result: RunResult, concurrency: int | None) -> dict[str, Any]:
     return {"concurrency": concurrency, **result.summary()}
 
 
+Send = Callable[[int, "int | None", int], RunResult]  # (requests, concurrency, seed)
+
+
+def sender(
+    running: servers.Running,
+    served_name: str,
+    workload: Workload,
+    vocab: Vocabulary,
+    text_ids: list[int] | None,
+    deadline_s: float,
+) -> Send:
+    target = Target(running.base_url + "/v1", served_name)
+
+    def send(count: int, concurrency: int | None, seed: int) -> RunResult:
+        specs = build_requests(workload, count, vocab, seed=seed, text_ids=text_ids)
+        return asyncio.run(
+            run_requests(target, specs, concurrency=concurrency, deadline_s=deadline_s)
+        )
+
+    return send
+
+
+def level_load(
+    workload: Workload, level: int, requests_per_level: int | None
+) -> tuple[int, int | None]:
+    """(requests, concurrency) of one sweep level: a burst sends them all at once."""
+    count = workload.requests.count(level)
+    if requests_per_level is not None:
+        count = requests_per_level * level
+    return count, None if workload.arrival == "burst" else level
+
+
+def merged(results: list[RunResult]) -> RunResult:
+    """Rounds pooled: every request, over the rounds' durations added up."""
+    records = [record for result in results for record in result.records]
+    return RunResult(records, sum(result.duration_s for result in results))
+
+
+def server_result(
+    running: servers.Running,
+    warm: RunResult,
+    levels: list[int],
+    per_level: list[list[RunResult]],
+    probes: list[RunResult],
+    slots: int,
+) -> dict[str, Any]:
+    """One server's figures; with several rounds each level pools them and keeps each
+    round's brief (for per-round ratios), and full occupancy is the rounds' median."""
+    sweep = []
+    for level, results in zip(levels, per_level, strict=True):
+        entry = level_summary(merged(results), level)
+        if len(results) > 1:
+            briefs = [_brief(running.spec.name, level_summary(r, level)) for r in results]
+            entry["rounds"] = [{k: v for k, v in b.items() if k != "server"} for b in briefs]
+        sweep.append(entry)
+    occupancy = [full_occupancy_tok_s(p.records) for p in probes]
+    known = [o for o in occupancy if o is not None]
+    return {
+        "server": running.spec.name,
+        "command": running.spec.public_command(),
+        "startup_s": running.startup_s,
+        "warmup_failed": warm.summary()["failed"],
+        "sweep": sweep,
+        "full_occupancy": {
+            "requests": slots,
+            "output_tok_per_s": statistics.median(known) if known else None,
+            **{k: v for k, v in merged(probes).summary().items() if k in ("completed", "failed")},
+        },
+    }
+
+
 def bench_server(
     running: servers.Running,
     served_name: str,
@@ -73,37 +152,54 @@ def bench_server(
     requests_per_level: int | None,
     deadline_s: float,
 ) -> dict[str, Any]:
-    target = Target(running.base_url + "/v1", served_name)
-
-    def send(count: int, concurrency: int | None, seed: int) -> RunResult:
-        specs = build_requests(workload, count, vocab, seed=seed, text_ids=text_ids)
-        return asyncio.run(
-            run_requests(target, specs, concurrency=concurrency, deadline_s=deadline_s)
-        )
-
-    warm = send(min(4, slots), min(4, slots), seed=10_000)
-    sweep = []
+    send = sender(running, served_name, workload, vocab, text_ids, deadline_s)
+    warm = send(min(4, slots), min(4, slots), 10_000)
+    per_level = []
     for level in levels:
-        count = workload.requests.count(level)
-        if requests_per_level is not None:
-            count = requests_per_level * level
-        concurrency = None if workload.arrival == "burst" else level
-        result = send(count, concurrency, seed=level)
-        sweep.append(level_summary(result, level))
-        print(json.dumps(_brief(running.spec.name, sweep[-1])), flush=True)
-    probe = send(slots, None, seed=20_000)
-    return {
-        "server": running.spec.name,
-        "command": running.spec.public_command(),
-        "startup_s": running.startup_s,
-        "warmup_failed": warm.summary()["failed"],
-        "sweep": sweep,
-        "full_occupancy": {
-            "requests": slots,
-            "output_tok_per_s": full_occupancy_tok_s(probe.records),
-            **{k: v for k, v in probe.summary().items() if k in ("completed", "failed")},
-        },
-    }
+        count, concurrency = level_load(workload, level, requests_per_level)
+        per_level.append([send(count, concurrency, level)])
+        brief = _brief(running.spec.name, level_summary(per_level[-1][0], level))
+        print(json.dumps(brief), flush=True)
+    probe = send(slots, None, 20_000)
+    return server_result(running, warm, levels, per_level, [probe], slots)
+
+
+def bench_interleaved(
+    runnings: list[servers.Running],
+    served_name: str,
+    workload: Workload,
+    vocab: Vocabulary,
+    text_ids: list[int] | None,
+    levels: list[int],
+    slots: int,
+    requests_per_level: int | None,
+    deadline_s: float,
+    rounds: int,
+) -> list[dict[str, Any]]:
+    """Every server up at once; each round sends each level to every server in turn, the
+    first one rotating, then the full-occupancy probe likewise. A slow minute of a shared
+    machine then falls on every server alike, and rounds give per-round ratios. Each
+    round has prompts of its own, the same for every server (a prompt sent twice could
+    hit a server's prefix cache)."""
+    sends = [sender(r, served_name, workload, vocab, text_ids, deadline_s) for r in runnings]
+    warms = [send(min(4, slots), min(4, slots), 10_000) for send in sends]
+    per_level: list[list[list[RunResult]]] = [[[] for _ in levels] for _ in runnings]
+    probes: list[list[RunResult]] = [[] for _ in runnings]
+    for k in range(rounds):
+        order = [(i + k) % len(runnings) for i in range(len(runnings))]
+        for j, level in enumerate(levels):
+            count, concurrency = level_load(workload, level, requests_per_level)
+            for i in order:
+                result = sends[i](count, concurrency, level + 100_000 * k)
+                per_level[i][j].append(result)
+                brief = _brief(runnings[i].spec.name, level_summary(result, level))
+                print(json.dumps({"round": k, **brief}), flush=True)
+        for i in order:
+            probes[i].append(sends[i](slots, None, 20_000 + k))
+    return [
+        server_result(r, warm, levels, lv, pr, slots)
+        for r, warm, lv, pr in zip(runnings, warms, per_level, probes, strict=True)
+    ]
 
 
 def _brief(name: str, level: dict[str, Any]) -> dict[str, Any]:
@@ -146,10 +242,33 @@ def ratios(engine: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]
                 ),
                 "ttft_p50": _ratio(lv, peer_levels.get(lv["concurrency"]), "ttft_ms", "p50"),
                 "itl_p50": _ratio(lv, peer_levels.get(lv["concurrency"]), "itl_ms", "p50"),
+                **_paired(lv, peer_levels.get(lv["concurrency"])),
             }
             for lv in ours["sweep"]
         }
     return out
+
+
+PAIRED = {
+    "output_tok_per_s": "output_tok_per_s",
+    "ttft_p50": "ttft_p50_ms",
+    "itl_p50": "itl_p50_ms",
+}
+
+
+def _paired(a: dict, b: dict | None) -> dict[str, Any]:
+    """With rounds: each figure's median over rounds of the two servers' ratio that round."""
+    if b is None or "rounds" not in a or "rounds" not in b:
+        return {}
+    pairs = list(zip(a["rounds"], b["rounds"], strict=False))
+    return {
+        "paired": {
+            name: statistics.median(x[key] / y[key] for x, y in pairs if y[key])
+            for name, key in PAIRED.items()
+            if any(y[key] for _, y in pairs)
+        }
+        | {"rounds": len(pairs)}
+    }
 
 
 def _ratio(a: dict, b: dict | None, key: str, sub: str | None = None) -> float | None:
@@ -212,6 +331,37 @@ def checkpoint(name_or_dir: str, context: int) -> tuple[Path, str]:
     return folder, name_or_dir
 
 
+def run_together(
+    specs: list[servers.ServerSpec],
+    model: Path,
+    served_name: str,
+    workload: Workload,
+    vocab: Vocabulary,
+    text_ids: list[int] | None,
+    levels: list[int],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """--rounds 2+: start every server that can run, then bench_interleaved."""
+    skipped: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        runnings = []
+        for spec in specs:
+            reason = servers.missing(spec)
+            if reason:
+                skipped.append({"server": spec.name, "skipped": reason})
+                continue
+            try:
+                started = servers.started(spec, model, served_name, args.max_slots, args.context)
+                runnings.append(stack.enter_context(started))
+            except (RuntimeError, TimeoutError) as exc:
+                skipped.append({"server": spec.name, "skipped": f"did not start: {exc}"})
+        runs = bench_interleaved(
+            runnings, served_name, workload, vocab, text_ids, levels, args.max_slots,
+            args.requests_per_level, args.deadline, args.rounds,
+        )  # fmt: skip
+    return runs + skipped
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="checkpoint folder or tiny/100m/70m-128k")
@@ -228,6 +378,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--engine-rounds", type=int, default=3)
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds per level")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="2+: every server up at once, the levels sent to each in turn, round after round",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -248,20 +402,18 @@ def main(argv: list[str] | None = None) -> None:
         "before": engine_only(model, args.max_slots, args.context, workload, args.engine_rounds)
     }
     print(json.dumps({"engine_only_before": engine["before"]["tok_per_s"]}), flush=True)
+    common = (served_name, workload, vocab, text_ids, levels, args.max_slots)
     runs: list[dict[str, Any]] = []
-    for spec in specs:
+    if args.rounds > 1:
+        runs = run_together(specs, model, served_name, workload, vocab, text_ids, levels, args)
+    for spec in specs if args.rounds <= 1 else ():
         reason = servers.missing(spec)
         if reason:
             runs.append({"server": spec.name, "skipped": reason})
             continue
         try:
             with servers.started(spec, model, served_name, args.max_slots, args.context) as running:
-                runs.append(
-                    bench_server(
-                        running, served_name, workload, vocab, text_ids, levels, args.max_slots,
-                        args.requests_per_level, args.deadline,
-                    )
-                )  # fmt: skip
+                runs.append(bench_server(running, *common, args.requests_per_level, args.deadline))
         except (RuntimeError, TimeoutError) as exc:
             runs.append({"server": spec.name, "skipped": f"did not start: {exc}"})
     engine["after"] = engine_only(model, args.max_slots, args.context, workload, args.engine_rounds)
