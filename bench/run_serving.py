@@ -141,29 +141,6 @@ def server_result(
     }
 
 
-def bench_server(
-    running: servers.Running,
-    served_name: str,
-    workload: Workload,
-    vocab: Vocabulary,
-    text_ids: list[int] | None,
-    levels: list[int],
-    slots: int,
-    requests_per_level: int | None,
-    deadline_s: float,
-) -> dict[str, Any]:
-    send = sender(running, served_name, workload, vocab, text_ids, deadline_s)
-    warm = send(min(4, slots), min(4, slots), 10_000)
-    per_level = []
-    for level in levels:
-        count, concurrency = level_load(workload, level, requests_per_level)
-        per_level.append([send(count, concurrency, level)])
-        brief = _brief(running.spec.name, level_summary(per_level[-1][0], level))
-        print(json.dumps(brief), flush=True)
-    probe = send(slots, None, 20_000)
-    return server_result(running, warm, levels, per_level, [probe], slots)
-
-
 def bench_interleaved(
     runnings: list[servers.Running],
     served_name: str,
@@ -413,7 +390,9 @@ def main(argv: list[str] | None = None) -> None:
             continue
         try:
             with servers.started(spec, model, served_name, args.max_slots, args.context) as running:
-                runs.append(bench_server(running, *common, args.requests_per_level, args.deadline))
+                runs += bench_interleaved(
+                    [running], *common, args.requests_per_level, args.deadline, rounds=1
+                )
         except (RuntimeError, TimeoutError) as exc:
             runs.append({"server": spec.name, "skipped": f"did not start: {exc}"})
     engine["after"] = engine_only(model, args.max_slots, args.context, workload, args.engine_rounds)
