@@ -8,7 +8,8 @@ constrain the output as chat's response_format and tool_choice do (server.struct
 with tools the reply is read for calls as chat's is (server.tools), each call a
 `function_call` output item after the message (no message when the reply is calls
 alone). A stream is the named events the openai SDK assembles (response.created ...
-response.completed): text as it comes; a named function's arguments as they come;
+response.completed): text as it comes; a named function's arguments as they come
+(a named reply cut short before its first delta is no call but a message, as chat's is);
 auto / required calls at the end, as chat streams them. The response ends "incomplete"
 with reason max_output_tokens when the budget ran out, and, as vLLM does, a stream
 still ends with response.completed carrying that status.
@@ -138,8 +139,8 @@ class ResponsesShaper:
     # --- streamed events ------------------------------------------------------------
 
     def opening(self) -> list[dict[str, Any]]:
-        """Events before any token: the response, then the item that streams (the message,
-        or a named function's call), if one does."""
+        """Events before any token: the response, then the message when all of the reply
+        is one (a named function's call is added with its first arguments)."""
         start = self.response_object(None, status="in_progress")
         events: list[dict[str, Any]] = [
             {"type": "response.created", "response": start},
@@ -147,9 +148,6 @@ class ResponsesShaper:
         ]
         if self.reader is None:
             events += self._open_message()
-        elif self.named is not None:
-            call = self._call_item(0, ParsedCall(self.named, ""), "in_progress")
-            events.append({"type": "response.output_item.added", "output_index": 0, "item": call})
         return events
 
     def events(self, item: PromptDelta) -> list[dict[str, Any]]:
@@ -160,7 +158,8 @@ class ResponsesShaper:
         if self.reader is None:
             return [self._text_delta(text)] if text else []
         if self.named is not None:
-            return [self._arguments_delta(0, text)] if text else []
+            released, _ = self.reader.step(self.text, item.delta.finish_reason)
+            return self._named_events(released)
         released, _ = self.reader.step(self.text, None)
         content = released.get("content")
         return [*self._open_message(), self._text_delta(content)] if content else []
@@ -234,6 +233,21 @@ class ResponsesShaper:
             "delta": text,
             "logprobs": [],
         }
+
+    def _named_events(self, released: dict[str, Any]) -> list[dict[str, Any]]:
+        """The named call's events for what the reader released: the call added with its
+        first arguments, then each delta. Content (the reply cut short before any of it
+        went out, so no call) waits for `closing`, which sends it as the message."""
+        events: list[dict[str, Any]] = []
+        for call in released.get("tool_calls", ()):
+            if "id" in call:
+                added = self._call_item(0, ParsedCall(self.named or "", ""), "in_progress")
+                events.append(
+                    {"type": "response.output_item.added", "output_index": 0, "item": added}
+                )
+            if call["function"]["arguments"]:
+                events.append(self._arguments_delta(0, call["function"]["arguments"]))
+        return events
 
     def _arguments_delta(self, index: int, arguments: str) -> dict[str, Any]:
         return {

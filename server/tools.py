@@ -3,9 +3,9 @@ reading them out.
 
 Owns: `tool_choice` against `tools` (vLLM's rules, each failure a 400; the Responses
 API's flat function tools and `{"type": "function", "name"}` read as chat's), tools and
-earlier tool calls as chat templates read them, the JSON schema a reply must follow
-(`tool_choice_schema`), and each choice's `ToolCallReader`, which turns the generated
-text into `message.tool_calls` and, streaming, into OpenAI's tool-call deltas.
+earlier tool calls as chat templates read them, which JSON schema a reply must follow
+(server.tool_schema builds it), and each choice's `ToolCallReader`, which turns the
+generated text into `message.tool_calls` and, streaming, into OpenAI's tool-call deltas.
 
 tool_choice, as vLLM serves it:
 - "none": the tools still go to the template; the reply is text.
@@ -14,15 +14,22 @@ tool_choice, as vLLM serves it:
 - "required": the reply is a JSON list of `{"name", "parameters"}` (vLLM's form), or
   else whatever the configured parser finds in it.
 - `{"type": "function", "function": {"name": f}}`: the whole reply is f's arguments.
-Required and named are enforced while decoding: `tool_choice_schema` is the schema
+Required and named are enforced while decoding: server.tool_schema gives the schema
 the structured-output constraint holds the reply to (server.structured), so a named
 function's arguments and each required call's parameters follow the function's
-`parameters`.
+`parameters`, closed to the keys they list.
+
+A named function's reply that is not whole JSON (cut by max_tokens or a stop string)
+is no call: its text is the content, finish_reason "length" (or "stop"), as vLLM
+replies when it reads no call and OpenAI sends none. Streamed, the arguments go out as
+they come, as vLLM and OpenAI stream them, so only a reply cut within its first delta
+(a budget of one token) can still be told apart: it streams as content, no call. Once
+a call's first delta is out the stream cannot take it back; it ends with the arguments
+as generated and finish_reason "length", and the reply agrees (the call stays one).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import uuid
 from collections.abc import Sequence
@@ -42,9 +49,9 @@ from server.protocol import (
     ToolChoice,
 )
 from server.tool_parsers import PARSERS, ParsedCall, ParsedOutput, ToolParser, parse_required
+from server.tool_schema import tool_choice_schema
 
 AUTO_FLAGS = "--enable-auto-tool-choice and --tool-call-parser"
-_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
@@ -167,53 +174,6 @@ def plan_tool_use(
     return ToolPlan(dicts, "auto", parser=parser, single_call=single)
 
 
-def tool_choice_schema(
-    tools: Sequence[ChatTool], choice: Literal["none", "auto", "required"] | NamedToolChoice
-) -> dict[str, Any] | None:
-    """The JSON schema the reply must follow under `choice`; None when any text may follow.
-
-    vLLM's: a named function's parameters, or for "required" a non-empty list of
-    `{"name", "parameters"}` objects over the tools, with their `$defs` hoisted to the
-    top. The one place the structured-output constraint for tools comes from.
-    """
-    if isinstance(choice, NamedToolChoice):
-        chosen = [tool for tool in tools if tool.function.name == choice.function.name]
-        return _parameters(chosen[0]) if chosen else None
-    if choice != "required" or not tools:
-        return None
-    defs: dict[str, Any] = {}
-    items = []
-    for tool in tools:
-        parameters = _parameters(tool)
-        tool_defs = parameters.pop("$defs", None)
-        for name, definition in (tool_defs if isinstance(tool_defs, dict) else {}).items():
-            if defs.setdefault(name, definition) != definition:
-                raise bad_request(
-                    f"tools define `$defs.{name}` differently; tool_choice required needs "
-                    "one definition of each name",
-                    param="tools",
-                )
-        items.append(
-            {
-                "properties": {
-                    "name": {"type": "string", "enum": [tool.function.name]},
-                    "parameters": parameters,
-                },
-                "required": ["name", "parameters"],
-            }
-        )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object"}}
-    schema["items"]["anyOf"] = items
-    if defs:
-        schema["$defs"] = defs
-    return schema
-
-
-def _parameters(tool: ChatTool) -> dict[str, Any]:
-    """A copy of the function's parameter schema; an empty object when it has none."""
-    return copy.deepcopy(tool.function.parameters or _EMPTY_PARAMETERS)
-
-
 def template_tool_calls(calls: Sequence[MessageToolCall], where: str) -> list[dict[str, Any]]:
     """Earlier tool calls as templates read them: arguments as an object, not JSON text.
 
@@ -251,7 +211,8 @@ class ToolCallReader:
     it, and the rest waits for the end of the output; there the whole text is read once,
     as `reply` reads it, and what was held goes out, so the deltas add up to the whole
     response. Content that is only blanks so far is held too: a reply of calls alone has
-    none. A named function's arguments stream as they come.
+    none. A named function's arguments stream as they come; a named reply that ends in
+    the delta that starts it is a call only when it is whole JSON (`read`).
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -259,12 +220,18 @@ class ToolCallReader:
         self._sent = 0  # characters of the output streamed (content, or named arguments)
         self._text_until = 0  # the output is text up to here whatever follows
         self._ids: list[str] = []  # call ids, made once so stream and body agree
+        self._named_open = False  # streamed: the named call's first delta went out
 
     def read(self, text: str) -> ParsedOutput:
         """The finished output as content and calls."""
         plan = self.plan
         if plan.choice == "named":
-            return ParsedOutput(None, (ParsedCall(plan.function or "", text),))
+            # Arguments cut short (max_tokens, a stop string) are no call: the text is the
+            # content, as vLLM replies when it reads no call. A call a stream has opened
+            # stays one, so the stream's last delta and its reply agree.
+            if self._named_open or _is_json(text):
+                return ParsedOutput(None, (ParsedCall(plan.function or "", text),))
+            return ParsedOutput(text)
         parsed = parse_required(text) if plan.choice == "required" else None
         if parsed is None:
             parsed = plan.parser.parse(text) if plan.parser is not None else ParsedOutput(text)
@@ -284,7 +251,7 @@ class ToolCallReader:
         """The delta to stream now the output is `text`; once it has ended (finish_reason
         given), everything held back, with the reply's finish_reason."""
         if self.plan.choice == "named":
-            return self._named_step(text), finish_reason
+            return self._named_step(text, finish_reason is not None), finish_reason
         if finish_reason is None:
             content = self._releasable(text)
             return ({"content": content} if content else {}), None
@@ -310,13 +277,20 @@ class ToolCallReader:
         self._sent = self._text_until
         return content
 
-    def _named_step(self, text: str) -> dict[str, Any]:
+    def _named_step(self, text: str, ended: bool) -> dict[str, Any]:
+        first = not self._named_open
+        if first:
+            if ended and not _is_json(text):  # cut short before any of it went out: no call
+                return {"content": text} if text else {}
+            if not text:
+                return {}
+            self._named_open = True
         arguments = text[self._sent :]
         self._sent = len(text)
-        if self._ids and not arguments:
+        if not first and not arguments:
             return {}
         call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
-        if not self._ids:  # the first delta of the call carries its id, type and name
+        if first:  # the call's first delta carries its id, type and name
             call = {"index": 0, **self._call(0, ParsedCall(self.plan.function or "", arguments))}
         return {"tool_calls": [call]}
 
@@ -335,3 +309,11 @@ class ToolCallReader:
         if parsed.calls and self.plan.choice != "named":
             return "tool_calls"
         return finish_reason
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True

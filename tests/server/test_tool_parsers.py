@@ -2,7 +2,9 @@
 
 Each parser: plain text, one call, several calls, malformed JSON (text), text before a
 call. The reader: whatever way an output is cut into deltas, the streamed content and
-calls add up to the whole reply, and content that could start a call is never sent early.
+calls add up to the whole reply, and content that could start a call is never sent early;
+a named reply cut short is no call. The schema tool_choice holds a reply to: one entry
+per tool, each call and each object in its parameters closed to the keys it lists.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 
 from server.config import ServerConfig
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest
+from server.protocol import ChatCompletionRequest, FunctionName, NamedToolChoice
 from server.tool_parsers import (
     PARSERS,
     ParsedCall,
@@ -22,7 +24,8 @@ from server.tool_parsers import (
     parse_llama3_json,
     parse_required,
 )
-from server.tools import ToolCallReader, ToolPlan, plan_tools, tool_choice_schema
+from server.tool_schema import tool_choice_schema
+from server.tools import ToolCallReader, ToolPlan, plan_tools
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 TIME = {"zone": "CET"}
@@ -223,6 +226,26 @@ def test_required_waits_for_the_end_and_single_call_keeps_the_first() -> None:
     assert [c["function"]["name"] for c in delta["tool_calls"]] == ["a"]
 
 
+def test_a_named_reply_cut_short_is_no_call() -> None:
+    """Not whole JSON: the text is the content (vLLM's reply when it reads no call), whole
+    or streamed when the output ends in its first delta; a call a stream opened stays one."""
+    plan = ToolPlan((), "named", function="get_time")
+    message, finish = ToolCallReader(plan).reply('{"', "length")
+    assert message == {"role": "assistant", "content": '{"'} and finish == "length"
+    assert ToolCallReader(plan).step('{"', "length") == ({"content": '{"'}, "length")
+    assert ToolCallReader(plan).step("", "length") == ({}, "length")
+    whole, _ = ToolCallReader(plan).step("{}", "stop")  # whole JSON in one delta: a call
+    assert whole["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+    reader = ToolCallReader(plan)
+    assert reader.step("", None) == ({}, None)  # nothing to open the call with yet
+    assert reader.step('{"', None)[0]["tool_calls"][0]["function"]["arguments"] == '{"'
+    delta, finish = reader.step('{"zo', "length")
+    assert delta == {"tool_calls": [{"index": 0, "function": {"arguments": "zo"}}]}
+    assert [
+        c["function"]["arguments"] for c in reader.reply('{"zo', "length")[0]["tool_calls"]
+    ] == ['{"zo']  # the stream sent it as a call; its reply says the same
+
+
 # --- tool_choice against tools --------------------------------------------------------------
 
 TOOLS = [
@@ -252,7 +275,11 @@ def test_plans_follow_vllm() -> None:
         ServerConfig(),
     )
     assert named is not None and named.function == "now"
-    assert named.output_schema == {"type": "object", "properties": {}}
+    assert named.output_schema == {
+        "type": "object",
+        "properties": {},
+        "additionalProperties": False,
+    }
 
 
 @pytest.mark.parametrize(
@@ -283,13 +310,64 @@ def test_required_schema_lists_each_tool_with_hoisted_defs() -> None:
         "items": {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": ["get_weather"]},
                             "parameters": {"type": "object",
-                                           "properties": {"city": {"$ref": "#/$defs/city"}}}},
-             "required": ["name", "parameters"]},
+                                           "properties": {"city": {"$ref": "#/$defs/city"}},
+                                           "additionalProperties": False}},
+             "required": ["name", "parameters"], "additionalProperties": False},
             {"properties": {"name": {"type": "string", "enum": ["now"]},
-                            "parameters": {"type": "object", "properties": {}}},
-             "required": ["name", "parameters"]},
+                            "parameters": {"type": "object", "properties": {},
+                                           "additionalProperties": False}},
+             "required": ["name", "parameters"], "additionalProperties": False},
         ]},
         "$defs": {"city": {"type": "string"}},
     }  # fmt: skip
     assert "$defs" in (tools[0].function.parameters or {})  # the request's own is untouched
     assert tool_choice_schema(tools, "auto") is None
+
+
+def closed_parameters(parameters: dict) -> object:
+    """The schema a named call of a function with these parameters is held to."""
+    function = {"name": "f", "parameters": parameters}
+    tools = request(tools=[{"type": "function", "function": function}]).tools or []
+    return tool_choice_schema(tools, NamedToolChoice(function=FunctionName(name="f")))
+
+
+def test_objects_in_parameters_are_closed_unless_they_say_or_combine() -> None:
+    """Every object that lists its keys takes only those (vLLM's default backend reads a
+    schema so); one that says otherwise, or combines schemas, keeps its say."""
+
+    def point() -> dict:  # a fresh copy each time, as a request's JSON has them
+        return {"type": "object", "properties": {"x": {"type": "integer"}}}
+
+    closed_point = {**point(), "additionalProperties": False}
+    parameters = {
+        "type": "object",
+        "properties": {
+            "at": point(),
+            "path": {"type": "array", "items": point(), "prefixItems": [point()]},
+            "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+            "extra": {"type": "object", "additionalProperties": True},
+            "either": {"anyOf": [point(), {"type": "string"}]},
+            "both": {"allOf": [point(), {"properties": {"y": {"type": "integer"}}}]},
+            "ref": {"$ref": "#/$defs/point"},
+            "not": {"not": point()},
+        },
+        "$defs": {"point": point()},
+    }
+    assert closed_parameters(parameters) == {
+        "type": "object",
+        "properties": {
+            "at": closed_point,
+            "path": {"type": "array", "items": closed_point, "prefixItems": [closed_point]},
+            "tags": {"type": "object", "additionalProperties": {"type": "string"}},
+            "extra": {"type": "object", "additionalProperties": True},
+            "either": {"anyOf": [closed_point, {"type": "string"}]},
+            "both": {"allOf": [point(), {"properties": {"y": {"type": "integer"}}}]},  # parts
+            "ref": {"$ref": "#/$defs/point"},
+            "not": {"not": point()},
+        },
+        "$defs": {"point": closed_point},
+        "additionalProperties": False,
+    }
+    beside = {"type": "object", "properties": {"kind": {"type": "string"}},
+              "anyOf": [{"properties": {"a": {"type": "integer"}}}]}  # fmt: skip
+    assert closed_parameters(beside) == beside  # branches add to the object's own keys

@@ -3,7 +3,11 @@
 A scripted orchestrator says exactly what the "model" generates, so the parsed calls
 are known (the tokenizer and a tool-aware chat template are real: the prompt the
 engine would get is checked token for token). On the real tiny model, a named
-tool_choice's arguments are exactly the text the model generates, whole or streamed.
+tool_choice's arguments are exactly the text the model generates, whole or streamed;
+required and named calls of functions whose parameters leave objects open still close
+and end well within the budget (a random model would otherwise write keys until
+max_tokens), on chat and on the Responses API; and a named call cut by the budget is no
+call.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -292,3 +297,120 @@ def test_named_arguments_are_the_generated_text(live: LiveServer) -> None:
     )  # fmt: skip
     assert streamed_call.id.startswith("chatcmpl-tool-")
     assert streamed.choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+# Parameters that leave their objects open (no additionalProperties) and values that end:
+# a random model ends these calls only if no object takes keys beyond those listed.
+LIGHT = {
+    "type": "object",
+    "properties": {"room": {"enum": ["hall", "den"]}, "on": {"type": "boolean"}},
+    "required": ["room", "on"],
+}
+OPEN_TOOLS = [
+    {"type": "function", "function": {"name": "set_light", "parameters": LIGHT}},
+    {"type": "function", "function": {"name": "get_time"}},  # no parameters: {}
+]
+CLOSED = {  # what each function's arguments must be
+    "set_light": {**LIGHT, "additionalProperties": False},
+    "get_time": {"type": "object", "additionalProperties": False},
+}
+LIGHTS = [{"role": "user", "content": "Turn off the hall light."}]
+SET_LIGHT = {"type": "function", "function": {"name": "set_light"}}
+TOOL_BUDGET = 90  # within the test server's 128 with the chat prompt
+
+
+def chat_reply(client: openai.OpenAI, stream: bool, **kwargs: object) -> tuple[object, str, int]:
+    """(message, finish_reason, completion tokens) of one chat completion on the tiny model;
+    streamed, as the SDK accumulates the chunks."""
+    kwargs = {"model": MODEL_NAME, "messages": LIGHTS, "tools": OPEN_TOOLS, **kwargs}
+    if not stream:
+        out = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+        return out.choices[0].message, out.choices[0].finish_reason, out.usage.completion_tokens
+    state: ChatCompletionStreamState = ChatCompletionStreamState()
+    chunks = client.chat.completions.create(  # type: ignore[call-overload]
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    done = state.current_completion_snapshot
+    return done.choices[0].message, done.choices[0].finish_reason, done.usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_client(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_required_calls_close_and_end(tiny_client: openai.OpenAI, stream: bool) -> None:
+    """Each call is exactly {"name", "parameters"} and its parameters take only the keys
+    they list, so the list closes and ends the reply: "tool_calls", as vLLM reports it."""
+    for seed in range(3):
+        message, finish, used = chat_reply(
+            tiny_client, stream, tool_choice="required", max_tokens=TOOL_BUDGET, seed=seed,
+            temperature=1.0,
+        )  # fmt: skip
+        assert finish == "tool_calls" and used < TOOL_BUDGET, (seed, message)
+        calls = calls_of(message)
+        assert calls and message.content is None  # type: ignore[attr-defined]
+        for name, arguments in calls:
+            jsonschema.validate(arguments, CLOSED[name])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_named_call_closes_and_ends(tiny_client: openai.OpenAI, stream: bool) -> None:
+    for seed in range(3):
+        message, finish, used = chat_reply(
+            tiny_client, stream, tool_choice=SET_LIGHT, max_tokens=TOOL_BUDGET, seed=seed,
+            temperature=1.0,
+        )  # fmt: skip
+        assert finish == "stop" and used < TOOL_BUDGET, (seed, message)  # named: OpenAI's "stop"
+        [(name, arguments)] = calls_of(message)
+        assert name == "set_light"
+        jsonschema.validate(arguments, CLOSED[name])
+
+
+def test_responses_tool_calls_close_and_end(tiny_client: openai.OpenAI) -> None:
+    flat = [{"type": "function", **tool["function"]} for tool in OPEN_TOOLS]
+    named = {"type": "function", "name": "set_light"}
+    for choice in ("required", named):
+        kwargs = {"model": MODEL_NAME, "input": LIGHTS[0]["content"], "tools": flat}
+        kwargs.update(tool_choice=choice, max_output_tokens=TOOL_BUDGET, temperature=1.0)
+        whole = tiny_client.responses.create(**kwargs)  # type: ignore[arg-type]
+        with tiny_client.responses.stream(**kwargs) as stream:  # type: ignore[arg-type]
+            streamed = stream.get_final_response()
+        for response in (whole, streamed):
+            assert response.status == "completed", response.output
+            calls = [o for o in response.output if o.type == "function_call"]
+            assert calls and len(calls) == len(response.output)
+            for call in calls:
+                assert call.name in CLOSED and (choice == "required" or call.name == "set_light")
+                jsonschema.validate(json.loads(call.arguments), CLOSED[call.name])
+
+
+def test_a_named_call_cut_by_the_budget_is_no_call(tiny_client: openai.OpenAI) -> None:
+    """One token of arguments is not JSON: no tool_calls, finish_reason "length"; the text
+    is the content, as vLLM replies when it reads no call. Streamed alike: no call delta."""
+    kwargs = {"model": MODEL_NAME, "messages": LIGHTS, "tools": OPEN_TOOLS}
+    kwargs.update(tool_choice=SET_LIGHT, max_completion_tokens=1)
+    whole = tiny_client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content and whole.usage.completion_tokens == 1
+    chunks = list(tiny_client.chat.completions.create(**kwargs, stream=True))  # type: ignore[call-overload]
+    assert not [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == choice.message.content
+    # the Responses API's named call alike: a message, not a function_call
+    flat = [{"type": "function", **tool["function"]} for tool in OPEN_TOOLS]
+    request = {"model": MODEL_NAME, "input": LIGHTS[0]["content"], "tools": flat}
+    request.update(tool_choice={"type": "function", "name": "set_light"}, max_output_tokens=1)
+    response = tiny_client.responses.create(**request)  # type: ignore[arg-type]
+    with tiny_client.responses.stream(**request) as stream:  # type: ignore[arg-type]
+        types = {event.type for event in stream}
+        streamed = stream.get_final_response()
+    for out in (response, streamed):
+        assert out.status == "incomplete" and [o.type for o in out.output] == ["message"]
+        assert out.output_text == choice.message.content
+    assert not [t for t in types if "function_call" in t]
