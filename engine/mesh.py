@@ -77,6 +77,18 @@ def param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
     return out
 
 
+def checkpoint_param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
+    """Shardings of params in the checkpoint's layout (engine.paged_model): the layers as
+    param_shardings has them, the embedding and an untied head, both (vocab, hidden),
+    split by vocabulary rows when the vocabulary divides evenly (else copied whole)."""
+    out = param_shardings({k: v for k, v in params.items() if k != "lm_head"}, cfg, mesh)
+    vocab = split(mesh, 0) if cfg.head_shards > 1 else replicated(mesh)
+    out["embed"] = vocab
+    if "lm_head" in params:
+        out["lm_head"] = vocab
+    return out
+
+
 def place_params(folder: Any, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Any:
     """The checkpoint's params on the mesh, each device's shard read straight from the files.
 

@@ -150,7 +150,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
-def _qkv(
+def attention_inputs(
     lp: Params, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -299,7 +299,7 @@ def _attend_live(
     return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(qg.dtype)
 
 
-def _finish(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
+def layer_output(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Output projection, residual, and the SwiGLU MLP block."""
     out = project(attn, lp["wo"], cfg.weights_left)
     if "bo" in lp:
@@ -422,13 +422,13 @@ def prefill_hidden(
 
     keys, values = [], []
     for lp in params["layers"]:
-        q, k, v = _qkv(lp, x, cfg, cos, sin)
+        q, k, v = attention_inputs(lp, x, cfg, cos, sin)
         qg = q.reshape(t, cfg.num_kv_heads, groups, cfg.head_dim)
         scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=F32)
         probs = _softmax_attend(scores * jnp.asarray(scale, dtype), mask, dtype)
         attn = jnp.einsum("kgts,skd->tkgd", probs, v, preferred_element_type=F32)
         attn = attn.astype(dtype).reshape(t, cfg.q_size)
-        x = _finish(lp, x, attn, cfg)
+        x = layer_output(lp, x, attn, cfg)
         keys.append(k.transpose(1, 2, 0))
         values.append(v.transpose(1, 0, 2))
     return x, tuple(keys), tuple(values)
@@ -464,14 +464,14 @@ def prefill_chunk_hidden(
 
     keys, values = [], []
     for lp, kb, vb in zip(params["layers"], k_buf, v_buf, strict=True):
-        q, k, v = _qkv(lp, x, cfg, cos, sin)
+        q, k, v = attention_inputs(lp, x, cfg, cos, sin)
         kb = lax.dynamic_update_slice(kb, k.transpose(1, 2, 0).astype(kb.dtype), (0, 0, offset))
         vb = lax.dynamic_update_slice(vb, v.transpose(1, 0, 2).astype(vb.dtype), (0, offset, 0))
         qg = q.reshape(c, cfg.num_kv_heads, groups, cfg.head_dim)
         scores = jnp.einsum("tkgd,kds->kgts", qg, kb, preferred_element_type=F32)
         probs = _softmax_attend(scores * jnp.asarray(scale, dtype), mask, dtype)
         attn = jnp.einsum("kgts,ksd->tkgd", probs, vb, preferred_element_type=F32)
-        x = _finish(lp, x, attn.astype(dtype).reshape(c, cfg.q_size), cfg)
+        x = layer_output(lp, x, attn.astype(dtype).reshape(c, cfg.q_size), cfg)
         keys.append(kb)
         values.append(vb)
     return x, tuple(keys), tuple(values)
@@ -505,7 +505,7 @@ def decode_forward(
 
     new_k, new_v = [], []
     for lp, k_layer, v_layer in zip(params["layers"], k_cache, v_cache, strict=True):
-        q, k, v = _qkv(lp, x, cfg, cos, sin)
+        q, k, v = attention_inputs(lp, x, cfg, cos, sin)
         written = [
             _write_chunk(kc, vc, k, v, positions, i)
             for i, (kc, vc) in enumerate(zip(k_layer, v_layer, strict=True))
@@ -513,7 +513,7 @@ def decode_forward(
         k_layer, v_layer = tuple(kc for kc, _ in written), tuple(vc for _, vc in written)
         qg = q.reshape(slots, cfg.num_kv_heads, groups, cfg.head_dim)
         attn = _attend_live(qg, k_layer, v_layer, positions, cfg)
-        x = _finish(lp, x, attn.reshape(slots, cfg.q_size), cfg)
+        x = layer_output(lp, x, attn.reshape(slots, cfg.q_size), cfg)
         new_k.append(k_layer)
         new_v.append(v_layer)
     return step_logits(params, x, cfg), tuple(new_k), tuple(new_v)

@@ -1,0 +1,96 @@
+"""The pure-JAX ragged paged attention that defines correctness.
+
+Owns: `Attention` (the seam every backend implements) and `ReferenceAttention`.
+Receives a ragged batch's queries (T, heads, head_dim) with its `AttentionBatch`,
+and the layer's pages with this step's K/V already written; emits (T, heads,
+head_dim). Each query sees the positions of its own sequence up to its own
+(causal; and within the sliding window), scores in float32.
+
+Plain and exact rather than fast: every query gathers its sequence's whole page
+list, (T, pages_per_seq * page_size) positions. The CPU and GPU backends run it
+today; a faster form per backend must match it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from engine.attention.layout import AttentionBatch, KVLayout
+
+F32 = jnp.float32
+
+
+class Attention(Protocol):
+    """One backend: writes a step's K/V into pages and attends over them."""
+
+    layout: KVLayout
+
+    def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
+        """Pages with the step's keys and values (T, kv_heads, head_dim) at `slots`."""
+        ...
+
+    def attend(
+        self,
+        q: jax.Array,
+        pages: jax.Array,
+        batch: AttentionBatch,
+        *,
+        sliding_window: int | None = None,
+    ) -> jax.Array:
+        """Each query's attention over its sequence's positions: (T, heads, head_dim)."""
+        ...
+
+
+def query_positions(t: int, batch: AttentionBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each of t queries: its sequence, its position, and whether it is real."""
+    token = jnp.arange(t, dtype=jnp.int32)
+    seqs = batch.kv_lens.shape[0]
+    seq = jnp.searchsorted(batch.cu_q_lens[1:], token, side="right").astype(jnp.int32)
+    real = token < batch.cu_q_lens[batch.num_seqs[0]]
+    seq = jnp.minimum(seq, seqs - 1)
+    position = batch.kv_lens[seq] - (batch.cu_q_lens[seq + 1] - token)
+    return seq, position, real
+
+
+class ReferenceAttention:
+    """Attention as the definition: gather, mask, softmax in float32."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
+        return self.layout.write(pages, k, v, slots)
+
+    def attend(
+        self,
+        q: jax.Array,
+        pages: jax.Array,
+        batch: AttentionBatch,
+        *,
+        sliding_window: int | None = None,
+    ) -> jax.Array:
+        layout = self.layout
+        t, heads, dim = q.shape
+        groups = heads // layout.kv_heads
+        seq, position, real = query_positions(t, batch)
+        own = pages[batch.page_indices[seq]]  # (T, pages_per_seq, page_size, ...)
+        own = own.reshape(t, -1, *own.shape[-2:])
+        keys, values = layout.unpack(own)  # (T, L, kv_heads, head_dim)
+        qg = q.reshape(t, layout.kv_heads, groups, dim)
+        scores = jnp.einsum("tkgd,tlkd->tkgl", qg, keys, preferred_element_type=F32)
+        scores = scores * (dim**-0.5)
+        k_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]
+        seen = k_pos <= position[:, None]
+        if sliding_window is not None:
+            seen = seen & (k_pos > position[:, None] - sliding_window)
+        seen = seen & real[:, None]
+        scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
+        top = jnp.max(scores, axis=-1, keepdims=True)
+        probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
+        total = jnp.sum(probs, axis=-1, keepdims=True)
+        probs = (probs / jnp.where(total > 0, total, 1.0)).astype(q.dtype)
+        out = jnp.einsum("tkgl,tlkd->tkgd", probs, values, preferred_element_type=F32)
+        return out.astype(q.dtype).reshape(t, heads, dim)

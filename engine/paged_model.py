@@ -1,0 +1,128 @@
+"""The decoder over a paged KV cache, one ragged batch a call (the engine core's step).
+
+Owns: `StepBatch` and `forward`, a pure function of (params, pages, batch). A ragged
+batch mixes decode rows (a sequence with one query) and prompt chunks (a sequence
+with many) in one program: every layer writes the batch's K/V into its pages with
+one scatter, then attends through the backend (engine.attention). Shapes come from
+the padded token count T and sequence count S only, so one compiled program serves
+any mix of the two.
+
+Params are the checkpoint's layout (engine.checkpoint.load_params): the head is
+(vocab, hidden), contracted over hidden as it is, and a tied head is the embedding
+itself, so no transposed copy is kept (engine.model keeps one for the slot engine).
+The layer math is engine.model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from engine.attention import Attention, AttentionBatch, Ints
+from engine.config import ModelConfig
+from engine.model import Params, attention_inputs, layer_output, rms_norm, rope_tables
+
+F32 = jnp.float32
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's tokens, T padded and S padded sequences (see AttentionBatch)."""
+
+    tokens: Ints  # (T,) int32
+    positions: Ints  # (T,) int32: each token's position in its sequence
+    slots: Ints  # (T,) int32: page * page_size + offset its K/V goes to; padding past all
+    attention: AttentionBatch
+    last: Ints  # (S,) int32: each sequence's last query (whose logits the step returns)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's share of a step: its next tokens, from position `start`, and its
+    pages (enough for positions < start + len(tokens))."""
+
+    tokens: Sequence[int]
+    start: int
+    pages: Sequence[int]
+
+
+def make_batch(
+    chunks: Sequence[Chunk],
+    *,
+    tokens: int,
+    seqs: int,
+    pages_per_seq: int,
+    page_size: int,
+    num_pages: int,
+) -> StepBatch:
+    """A step's host arrays: these chunks in order, padded to `tokens` tokens and `seqs`
+    sequences (padding tokens write nothing and attend to nothing)."""
+    count = sum(len(c.tokens) for c in chunks)
+    if count > tokens or len(chunks) > seqs:
+        raise ValueError(f"{count} tokens in {len(chunks)} sequences exceed {tokens} / {seqs}")
+    ids = np.zeros(tokens, np.int32)
+    positions = np.zeros(tokens, np.int32)
+    slots = np.full(tokens, num_pages * page_size, np.int32)
+    kv_lens = np.zeros(seqs, np.int32)
+    page_indices = np.zeros((seqs, pages_per_seq), np.int32)
+    cu = np.zeros(seqs + 1, np.int32)
+    last = np.zeros(seqs, np.int32)
+    at = 0
+    for s, chunk in enumerate(chunks):
+        n, end = len(chunk.tokens), chunk.start + len(chunk.tokens)
+        if -(-end // page_size) > len(chunk.pages) or len(chunk.pages) > pages_per_seq:
+            raise ValueError(f"sequence {s}: {len(chunk.pages)} pages for {end} positions")
+        pos = np.arange(chunk.start, end, dtype=np.int32)
+        table = np.asarray(chunk.pages, np.int32)
+        ids[at : at + n] = chunk.tokens
+        positions[at : at + n] = pos
+        slots[at : at + n] = table[pos // page_size] * page_size + pos % page_size
+        kv_lens[s] = end
+        page_indices[s, : len(table)] = table
+        at += n
+        cu[s + 1] = at
+        last[s] = at - 1
+    cu[len(chunks) + 1 :] = at
+    attention = AttentionBatch(kv_lens, page_indices, cu, np.array([len(chunks)], np.int32))
+    return StepBatch(ids, positions, slots, attention, last)
+
+
+def head_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm and vocabulary product of rows (R, hidden) -> float32 (R, vocab).
+
+    The head is (vocab, hidden) (the embedding when tied), contracted over hidden as
+    stored: no transposed copy of it exists.
+    """
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["lm_head"] if "lm_head" in params else params["embed"]
+    return lax.dot_general(x, head, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def forward(
+    params: Params,
+    pages: tuple[jax.Array, ...],
+    batch: StepBatch,
+    inv_freq: jax.Array,
+    cfg: ModelConfig,
+    attention: Attention,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The batch's tokens through every layer -> (logits (S, vocab) float32 of each
+    sequence's last query, pages with the batch's K/V written)."""
+    dtype = params["embed"].dtype
+    x = params["embed"][batch.tokens]
+    cos, sin = rope_tables(jnp.asarray(batch.positions), inv_freq, dtype)
+    t = batch.tokens.shape[0]
+    written = []
+    for lp, layer_pages in zip(params["layers"], pages, strict=True):
+        q, k, v = attention_inputs(lp, x, cfg, cos, sin)
+        layer_pages = attention.write(layer_pages, k, v, jnp.asarray(batch.slots))
+        attn = attention.attend(q, layer_pages, batch.attention, sliding_window=cfg.sliding_window)
+        x = layer_output(lp, x, attn.reshape(t, cfg.q_size), cfg)
+        written.append(layer_pages)
+    return head_logits(params, x[batch.last], cfg), tuple(written)
