@@ -16,10 +16,8 @@ devices (the default) there is no transfer stage.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections import deque
@@ -33,6 +31,7 @@ from engine.request import (
     RequestRejected,
     RequestStream,
     Unavailable,
+    sample_samplings,
 )
 from engine.stages.detokenize import DetokenizeStage, TextStreamFactory
 from engine.stages.faults import Fault, FaultPlan
@@ -60,7 +59,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SEED_STRIDE = 1_000_003  # seeds of samples 1..n-1: request seed + index * stride, wrapped
 _JOIN_S = 5.0
 _RATE_WINDOW = 64  # samples whose end times estimate the service rate for Retry-After
 _MAX_RETRY_AFTER_S = 60.0  # clients (the openai SDK among them) ignore longer waits
@@ -324,12 +322,7 @@ class Orchestrator:
 
     def _new_job(self, request: ActiveRequest) -> Job:
         max_new = self._engine.limits.check(len(request.prompt_ids), request.max_tokens)
-        sampling = request.sampling
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-        samplings = tuple(
-            dataclasses.replace(sampling, seed=_wrap_int64(seed + i * _SEED_STRIDE))
-            for i in range(request.n)
-        )
+        samplings = sample_samplings(request)
         return Job(request, RequestStream(request.request_id, request.n), samplings, max_new)
 
     def _job_done(self, job: Job) -> None:
@@ -389,8 +382,3 @@ class Orchestrator:
         if not self._started:
             return "the engine is not started"
         return "the engine is stopped"
-
-
-def _wrap_int64(value: int) -> int:
-    """value in the signed 64-bit range the API accepts seeds in (a seed keeps all 64 bits)."""
-    return (value + 2**63) % 2**64 - 2**63

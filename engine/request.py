@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import secrets
 import threading
 import time
 from collections import deque
@@ -70,6 +72,20 @@ class ActiveRequest:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+
+SEED_STRIDE = 1_000_003  # seeds of samples 1..n-1: request seed + index * stride, wrapped
+
+
+def sample_samplings(request: ActiveRequest) -> tuple[SamplingParams, ...]:
+    """Each of the request's n samples' sampling, seeded: a request without a seed draws
+    one; sample i takes seed + i * SEED_STRIDE, kept in the signed 64-bit range."""
+    sampling = request.sampling
+    seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+    return tuple(
+        dataclasses.replace(sampling, seed=(seed + i * SEED_STRIDE + 2**63) % 2**64 - 2**63)
+        for i in range(request.n)
+    )
 
 
 @dataclass(frozen=True)

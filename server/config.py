@@ -32,6 +32,11 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     max_slots: int = 8
+    # "slot" (the slot engine and its orchestrator) or "paged" (engine.core: the engine
+    # core over paged KV, being built: no structured outputs or prompt logprobs yet)
+    engine: str = "slot"
+    max_num_batched_tokens: int = 256  # paged: tokens one step takes (decode rows + chunks)
+    page_size: int = 16  # paged: positions per KV page
     max_model_len: int | None = None  # None: the checkpoint's (capped by the engine)
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two up to the context
     dtype: str = "float32"
@@ -95,6 +100,11 @@ class ServerConfig:
             "max_request_samples",
             "tokenizer_workers",
         ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.engine not in ("slot", "paged"):
+            raise ValueError(f"engine must be 'slot' or 'paged', got {self.engine!r}")
+        for name in ("max_num_batched_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -233,6 +243,9 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "host": (str, "bind address"),
     "port": (int, "bind port"),
     "max_slots": (int, "concurrent sequences in the decode batch"),
+    "engine": (str, "slot (default) or paged: the engine core over paged KV (being built)"),
+    "max_num_batched_tokens": (int, "paged: tokens one step takes, decode rows and chunks"),
+    "page_size": (int, "paged: positions per KV page"),
     "max_model_len": (int, "context length: prompt + completion tokens"),
     "prefill_buckets": (_buckets, "comma list of prefill padding lengths"),
     "dtype": (str, "float32 or bfloat16"),

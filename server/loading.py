@@ -110,6 +110,50 @@ def build_engines(config: ServerConfig) -> tuple[Any, Any]:
     return prefill_engine, engine
 
 
+def load_core(config: ServerConfig, text_streams: Any) -> Any:
+    """The engine core over paged KV behind the orchestrator's interface, warmed up and
+    started (--engine paged): one device, one process for now."""
+    from engine.config import load_model_config
+    from engine.core.core import CoreConfig, EngineCore
+    from engine.core.service import CoreService
+    from engine.engine import DEFAULT_MAX_MODEL_LEN
+
+    unsupported = {
+        "tensor_parallel_size": config.tensor_parallel_size != 1,
+        "prefill_devices": config.prefill_devices is not None,
+        "num_processes": config.num_processes != 1,
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ValueError(f"--engine paged does not support {', '.join(named)} yet")
+    logger.info("compile cache: %s", enable_compile_cache(config) or "off")
+    path = model_path(config)
+    cfg = load_model_config(path)
+    max_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    page = config.page_size
+    chunk = max(page, min(config.prefill_chunk or 256, config.max_num_batched_tokens))
+    chunk -= chunk % page
+    pages_per_seq = -(-max_len // page)
+    core = EngineCore(
+        CoreConfig(
+            model_path=path,
+            dtype=config.dtype,
+            max_num_seqs=config.max_slots,
+            max_model_len=max_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            chunk_size=chunk,
+            page_size=page,
+            # the slot engine's KV bytes (every sequence a whole context) unless capped
+            num_pages=None if config.kv_cache_memory_bytes else config.max_slots * pages_per_seq,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        )
+    )
+    core.warmup()
+    service = CoreService(core, text_streams)
+    service.start()
+    return service
+
+
 def load_backend(config: ServerConfig, followers: Sequence[Any] = ()) -> Backend:
     """Load, warm up and start; raises on any failure (the runtime reports it).
 
@@ -124,6 +168,12 @@ def load_backend(config: ServerConfig, followers: Sequence[Any] = ()) -> Backend
     path = model_path(config)
     template = config.chat_template.read_text(encoding="utf-8") if config.chat_template else None
     tokenizer = Tokenizer.from_folder(path, chat_template=template)
+    if config.engine == "paged":
+        from engine.config import load_model_config
+
+        eos = tokenizer.eos_token_ids | frozenset(load_model_config(path).eos_token_ids)
+        service = load_core(config, text_streams(tokenizer.detokenizer, eos))
+        return Backend(tokenizer=tokenizer, orchestrator=service, limits=service.limits)
     prefill_engine, engine = build_engines(config)
     if followers:
         engine = LeaderEngine(engine, followers)

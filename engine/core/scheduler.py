@@ -63,6 +63,7 @@ class Emitted:
     token: int
     logprob: float
     finish_reason: str | None = None  # "stop" | "length"
+    top: tuple[tuple[int, float], ...] = ()  # (id, logprob) best first, when it asked
 
 
 @dataclass
@@ -176,7 +177,11 @@ class Scheduler:
             token = int(result.tokens[i])
             seq.output.append(token)
             reason = self._finish_reason(seq, token)
-            events.append(Emitted(seq.seq_id, token, float(result.logprobs[i]), reason))
+            top: tuple[tuple[int, float], ...] = ()
+            if seq.sampling.logprobs is not None:
+                pairs = zip(result.top_ids[i], result.top_logprobs[i], strict=True)
+                top = tuple((int(t), float(p)) for t, p in pairs)
+            events.append(Emitted(seq.seq_id, token, float(result.logprobs[i]), reason, top))
             if reason is not None:
                 self.running.remove(seq)
                 self._release(seq)
