@@ -6,7 +6,10 @@ clone needs nothing but the package and its test extra.
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,3 +36,20 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test module, drop what its engines compiled.
+
+    Every loaded XLA:CPU executable holds memory mappings; one pytest process that keeps
+    the programs of every engine it ever built runs into the kernel's limit on mappings
+    per process (vm.max_map_count, 65,530 by default) and XLA crashes on the next
+    executable it loads. The HTTP tests share one in-process server for the session
+    (tests/server/conftest.py), whose programs must stay: there only garbage goes.
+    """
+    yield
+    gc.collect()
+    jax = sys.modules.get("jax")
+    if jax is not None and "server" not in Path(str(request.path)).parent.parts:
+        jax.clear_caches()

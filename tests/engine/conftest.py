@@ -28,7 +28,7 @@ def tiny_checkpoint_of(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFa
     return make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # tests/conftest.py drops compiled programs per module
 def small_engine(tiny_checkpoint_of: CheckpointFactory) -> Any:
     """A warmed-up float32 tiny Llama engine: 4 slots, max_model_len 64, buckets 16/32/64."""
     from engine.engine import Engine, EngineConfig
