@@ -559,13 +559,15 @@ class Engine:
         token_ids: Sequence[int],
         sampling: SamplingParams,
         *,
-        prompt_logprobs: bool = False,
+        prompt_logprobs: int | None = None,
         between_chunks: Callable[[], None] | None = None,
     ) -> Prefix:
+        """`prompt_logprobs` k: each prompt position's logprob and its top k alternatives."""
         length = len(token_ids)
         if length == 0:
             raise ValueError("the prompt must have at least one token")
-        pool = None if prompt_logprobs else self.prefix_cache  # echo needs every position
+        top_k, prompt_logprobs = prompt_logprobs or 0, prompt_logprobs is not None
+        pool = None if prompt_logprobs else self.prefix_cache  # they need every position
         if pool is not None:
             blocks = pool.index.lookup(token_ids)
             if blocks:
@@ -575,15 +577,21 @@ class Engine:
                 pool.store(token_ids, prefix.cache, cached=len(blocks))
                 return prefix
         if length > self.prefill_buckets[-1] and self.prefill_chunk is not None:
-            prefix = self._prefill_pieces(token_ids, sampling, prompt_logprobs, between_chunks)
+            prefix = self._prefill_pieces(
+                token_ids, sampling, prompt_logprobs, between_chunks, top_k=top_k
+            )
         else:
-            prefix = self._prefill_bucket(token_ids, sampling, prompt_logprobs)
+            prefix = self._prefill_bucket(token_ids, sampling, prompt_logprobs, top_k)
         if pool is not None:
             pool.store(token_ids, prefix.cache, cached=0)
         return prefix
 
     def _prefill_bucket(
-        self, token_ids: Sequence[int], sampling: SamplingParams, prompt_logprobs: bool
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        prompt_logprobs: bool,
+        top_k: int = 0,
     ) -> Prefix:
         length = len(token_ids)
         bucket = self.bucket_for(length)
@@ -603,7 +611,7 @@ class Engine:
         )
         if prompt_logprobs:
             prefix.prompt_logprobs = _prompt_logprobs(
-                token_ids, out["prompt_chosen"], out["prompt_top"], sampling.logprobs or 0
+                token_ids, out["prompt_chosen"], out["prompt_top"], top_k
             )
         return prefix
 
@@ -631,6 +639,7 @@ class Engine:
         prompt_logprobs: bool,
         between_chunks: Callable[[], None] | None,
         loaded: tuple[int, Any] | None = None,
+        top_k: int = 0,
     ) -> Prefix:
         """A prompt in pieces on top of the KV before them: a prompt past the largest bucket
         `prefill_chunk` tokens a call, or what follows a prefix-cache hit (`loaded`: the
@@ -678,7 +687,7 @@ class Engine:
                 token_ids,
                 jnp.concatenate(chosen),
                 (jnp.concatenate(top_lp), jnp.concatenate(top_ids)),
-                sampling.logprobs or 0,
+                top_k,
             )
         return prefix
 

@@ -130,7 +130,7 @@ class FakeEngine:
         token_ids: Sequence[int],
         sampling: SamplingParams,
         *,
-        prompt_logprobs: bool = False,
+        prompt_logprobs: int | None = None,
         between_chunks: Callable[[], None] | None = None,
     ) -> Prefix:
         del between_chunks  # no chunks: every prompt fits a bucket
@@ -141,13 +141,13 @@ class FakeEngine:
         return prefix
 
     def _prefill_one(
-        self, token_ids: Sequence[int], sampling: SamplingParams, prompt_logprobs: bool
+        self, token_ids: Sequence[int], sampling: SamplingParams, prompt_logprobs: int | None
     ) -> Prefix:
         self.limits.check(len(token_ids), None)
         bucket = self.prefill_buckets[bisect.bisect_left(self.prefill_buckets, len(token_ids))]
         base = prompt_hash(token_ids)
         echo = None
-        if prompt_logprobs:
+        if prompt_logprobs is not None:
             echo = [None] + [TokenLogprobs(int(t), fake_logprob(int(t))) for t in token_ids[1:]]
         return self._prefix(len(token_ids), sampling, base, bucket, echo)
 
@@ -166,7 +166,7 @@ class FakeEngine:
         """One call for several prompts: each Prefix as prefill alone would give it."""
         if not self.batch_fits([len(ids) for ids, _ in prompts]):
             raise ValueError(f"prompts of lengths {[len(i) for i, _ in prompts]} do not fit")
-        out = [self._prefill_one(ids, sampling, False) for ids, sampling in prompts]
+        out = [self._prefill_one(ids, sampling, None) for ids, sampling in prompts]
         self._sleep(self._delays.prefill)
         self.prefill_calls += 1
         self.batch_sizes.append(len(prompts))

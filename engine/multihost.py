@@ -267,7 +267,7 @@ class LeaderEngine:
         token_ids: Sequence[int],
         sampling: SamplingParams,
         *,
-        prompt_logprobs: bool = False,
+        prompt_logprobs: int | None = None,
         between_chunks: Callable[[], None] | None = None,
     ) -> Prefix:
         # between_chunks is dropped: a decode step between two chunks would be dispatched

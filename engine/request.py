@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from engine.types import EngineError, SamplingParams, TokenLogprobs
+from engine.types import MAX_LOGPROBS, EngineError, SamplingParams, TokenLogprobs
 
 
 class Overloaded(EngineError):
@@ -56,7 +56,9 @@ class ActiveRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    prompt_logprobs: bool = False  # echo + logprobs: prefill returns prompt logprobs
+    # None: no prompt logprobs; k: at each prompt position after the first, the prompt
+    # token's logprob and the top k alternatives (0 <= k <= MAX_LOGPROBS)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -72,6 +74,9 @@ class ActiveRequest:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {k}")
 
 
 SEED_STRIDE = 1_000_003  # seeds of samples 1..n-1: request seed + index * stride, wrapped
@@ -101,6 +106,7 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int  # cumulative for this sample
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # first delta only
+    cached_tokens: int = 0  # prompt positions the engine took from its prefix cache
     emitted: float = 0.0  # time.monotonic() when the detokenize stage pushed it
 
 

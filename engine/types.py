@@ -302,7 +302,7 @@ class EngineProtocol(Protocol):
         token_ids: Sequence[int],
         sampling: SamplingParams,
         *,
-        prompt_logprobs: bool = False,
+        prompt_logprobs: int | None = None,
         between_chunks: Callable[[], None] | None = None,
     ) -> Prefix:
         """Pad to the next bucket, run the prompt, sample its first token (key index 0).

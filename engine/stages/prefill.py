@@ -82,9 +82,12 @@ class PrefillStage:
         return [first, *self._admission.take_while(fits)]
 
     def _alone(self, job: Job) -> bool:
-        """Echo + logprobs needs every position's logits; a prefix-cache hit its lookup."""
+        """Prompt logprobs need every position's logits; a prefix-cache hit its lookup."""
         request = job.request
-        return request.prompt_logprobs or self._engine.cached_tokens(request.prompt_ids) > 0
+        return (
+            request.prompt_logprobs is not None
+            or self._engine.cached_tokens(request.prompt_ids) > 0
+        )
 
     def _prefill(self, batch: list[Job]) -> None:
         """Prefill the batch in one engine call, in its turn (StepClock); a request's bad

@@ -74,8 +74,8 @@ def test_chunked_logits_and_cache_match_the_whole_prompt(engines, length):
     chunked, whole = engines
     ids = prompt(length, chunked.vocab_size)
     calls = []
-    a = chunked.prefill(ids, GREEDY, prompt_logprobs=True, between_chunks=lambda: calls.append(1))
-    b = whole.prefill(ids, GREEDY, prompt_logprobs=True)
+    a = chunked.prefill(ids, GREEDY, prompt_logprobs=3, between_chunks=lambda: calls.append(1))
+    b = whole.prefill(ids, GREEDY, prompt_logprobs=3)
     assert len(calls) == -(-length // 32) - 1  # after every chunk but the last
     np.testing.assert_allclose(np.asarray(a.last_logits), np.asarray(b.last_logits), atol=TOL)
     assert int(a.token) == int(b.token)

@@ -118,7 +118,7 @@ def test_free_stops_a_slot(small_engine):
 def test_first_token_and_logprobs(small_engine):
     sampling = SamplingParams(temperature=0.0, seed=3, logprobs=4)
     prompt = [0, 50, 60, 70, 80, 90]
-    prefix = small_engine.prefill(prompt, sampling, prompt_logprobs=True)
+    prefix = small_engine.prefill(prompt, sampling, prompt_logprobs=4)
     logits = np.asarray(prefix.last_logits, np.float64)
     logprobs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
     assert int(prefix.token) == int(np.argmax(logits))

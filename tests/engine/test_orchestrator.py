@@ -216,7 +216,7 @@ def test_n_larger_than_slots_and_prefill_queue_still_completes() -> None:
 def test_logprobs_and_prompt_logprobs(orch: Orchestrator) -> None:
     prompt = (10, 20, 30)
     deltas = orch.submit(
-        request("a", prompt, 0, max_tokens=3, logprobs=2, prompt_logprobs=True)
+        request("a", prompt, 0, max_tokens=3, logprobs=2, prompt_logprobs=2)
     ).collect(timeout=5)
     for d in deltas:
         (t,) = d.token_ids

@@ -141,7 +141,7 @@ def test_seeded_samples_do_not_depend_on_the_batch(
 def test_greedy_logprobs_come_back_per_token(orch: Orchestrator, tokenizer: Tokenizer) -> None:
     prompt = prompts(tokenizer, 2)[1]
     sampling = SamplingParams(temperature=0.0, logprobs=2)
-    deltas = run(orch, "lp", prompt, sampling=sampling, max_tokens=6, prompt_logprobs=True)
+    deltas = run(orch, "lp", prompt, sampling=sampling, max_tokens=6, prompt_logprobs=2)
     for d in deltas:
         (token,) = d.token_ids
         (lp,) = d.logprobs or ()

@@ -186,7 +186,7 @@ def test_echo_with_logprobs_and_other_buckets_are_not_batched() -> None:
         held = [o.submit(request("first", (1,)))]
         wait_for(lambda: o.stats().queued_requests == 0)
         held.append(o.submit(request("a", (2,))))
-        held.append(o.submit(request("echo", (3,), prompt_logprobs=True)))  # needs all logits
+        held.append(o.submit(request("echo", (3,), prompt_logprobs=0)))  # needs all logits
         held.append(o.submit(request("b", (4,))))
         held.append(o.submit(request("long", tuple(range(5, 40)))))  # bucket 64, not 16
         engine.gate.set()

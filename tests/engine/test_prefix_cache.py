@@ -118,7 +118,7 @@ def test_prompt_logprobs_bypass_the_cache(engines):
     cached.prefill(prompt, GREEDY)
     before = cached.cache_stats()
     prefix = cached.prefill(
-        prompt, SamplingParams(temperature=0.0, seed=0, logprobs=1), prompt_logprobs=True
+        prompt, SamplingParams(temperature=0.0, seed=0, logprobs=1), prompt_logprobs=1
     )
     assert len(prefix.prompt_logprobs) == len(prompt)
     assert cached.cache_stats().prefix_queries == before.prefix_queries
