@@ -2,11 +2,17 @@
 
 `create_app(config)` builds a self-contained app (its own registry, its own
 runtime); nothing here is global, so tests can run several in one process.
+Besides OpenAI's routes it serves vLLM's: /tokenize, /detokenize, /version,
+/tokenizer_info (behind --enable-tokenizer-info-endpoint), /v1/chat/completions/batch,
+and SageMaker's /ping and /invocations (a chat or a completion body, told apart by
+its shape as vLLM does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,14 +21,16 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator import Instrumentator
+from pydantic import BaseModel, ValidationError
 
 from server import chat, completions, responses, tokenizing
 from server.backend import Backend
 from server.config import ServerConfig
-from server.errors import APIError, install_error_handlers
+from server.errors import APIError, bad_request, install_error_handlers, validation_error
 from server.generation import Generation, Shaper, log_of, until_disconnect
 from server.jsonbody import StrictJSONRoute
 from server.lifecycle import Runtime
@@ -31,6 +39,7 @@ from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogM
 from server.openapi import document_api
 from server.params import GenerationPlan, plan_completion
 from server.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -41,6 +50,27 @@ from server.streaming import sse_response
 from server.timing import server_timing
 
 T = TypeVar("T")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parsed(model: type[M], body: Any) -> M:
+    """A body read outside FastAPI's parameters, its errors the same 400s."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from None
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jax-llm-server")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0.0.0+unknown"
+
+
+VERSION = _version()
 
 
 def create_app(config: ServerConfig, loader: Callable[[], Backend] | None = None) -> FastAPI:
@@ -107,6 +137,16 @@ def _add_routes(
         if runtime.alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "failed"}, status_code=503)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """SageMaker's health check: /health's answer."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
 
     @app.get("/ready")
     async def ready() -> Response:
@@ -177,6 +217,32 @@ def _add_routes(
         shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)
         return await respond(request, backend, plan, shaper)
 
+    @app.post("/v1/chat/completions/batch")
+    async def create_batch_chat_completion(
+        body: BatchChatCompletionRequest, request: Request
+    ) -> Response:
+        backend, plan, response_id = await planned(chat.plan_batch_chat, body, "chatcmpl-")
+        shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)
+        return await respond(request, backend, plan, shaper)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's entry point: a body with `messages` is a chat completion, one with
+        `prompt` a completion (vLLM tries the chat request first, then the completion)."""
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            message = f"request body is not valid JSON: {exc.msg}"
+            raise bad_request(message, code="invalid_json") from None
+        if isinstance(body, dict) and "messages" in body:
+            return await create_chat_completion(_parsed(ChatCompletionRequest, body), request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await create_completion(_parsed(CompletionRequest, body), request)
+        raise bad_request(
+            "Cannot find suitable handler for request. Expected one of: "
+            "ChatCompletionRequest (messages), CompletionRequest (prompt)"
+        )
+
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         backend, plan, response_id = await planned(responses.plan_response, body, "resp_")
@@ -201,3 +267,9 @@ def _add_routes(
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         backend = runtime.require_ready()
         return await off_loop(tokenizing.detokenize, body, backend.tokenizer, config.model_name)
+
+    if config.enable_tokenizer_info_endpoint:  # off by default: it shows the chat template
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            return runtime.require_ready().tokenizer.tokenizer_info()

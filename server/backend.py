@@ -33,6 +33,10 @@ class TokenizerClient(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's configuration (vLLM's /tokenizer_info)."""
+        ...
+
     def grammar_compiler(self, vocab_size: int) -> GrammarCompiler:
         """Structured outputs' compiler for this tokenizer and the model's vocabulary."""
         ...

@@ -7,19 +7,23 @@ add_generation_prompt is false, or with the last assistant message left open for
 model to continue (vLLM's continue_final_message). With `tools` the template renders
 them, and each choice's reply is read for tool calls (server.tools); tool_choice
 "required" or a named function holds the reply to its schema while decoding, as
-response_format and structured_outputs do (server.structured).
+response_format and structured_outputs do (server.structured; the tool's constraint
+wins over theirs, as in vLLM). vLLM's extras: `stop_reason` in each choice, the
+response's `prompt_logprobs`, and with `return_token_ids` the response's (a stream's
+first chunk's) `prompt_token_ids` and each choice's (chunk's) `token_ids`. One shaper
+serves /v1/chat/completions/batch too: choice i is conversation i there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.types import TokenLogprobs
 from server.backend import ModelLimits, TokenizerClient
 from server.config import ServerConfig
-from server.errors import bad_request
+from server.errors import APIError, bad_request
 from server.generation import PromptDelta
 from server.params import (
     GenerationPlan,
@@ -28,10 +32,19 @@ from server.params import (
     check_common,
     check_samples,
     finite,
+    note_ignored,
+    prompt_logprobs,
     sampling_params,
     stop_strings,
+    truncate,
+    with_extensions,
 )
-from server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from server.protocol import (
+    BatchChatCompletionRequest,
+    ChatCompletionRequest,
+    ChatMessage,
+    TokenizeRequest,
+)
 from server.shaping import ResponseShaper
 from server.structured import compile_constraint, requested
 from server.tools import ToolCallReader, ToolPlan, plan_tools, template_tool_calls
@@ -134,12 +147,14 @@ def plan_chat(
     if max_tokens == 0:
         raise bad_request(f"{param} must be >= 1", param=param)
     top_n = (request.top_logprobs or 0) if request.logprobs else None
+    top_prompt = prompt_logprobs(request)
     check_samples(1, request.n, config)
     tools = plan_tools(request, config)
     asked = requested(request, tools.output_schema if tools is not None else None)
     constraint = compile_constraint(asked, tokenizer, limits)
     sampling = sampling_params(request, top_n, max_tokens, limits, constraint)
-    prompt = render_prompt(request, tokenizer, tools)
+    rendered = render_prompt(request, tokenizer, tools)
+    prompt = PromptInput(truncate(rendered.ids, request, limits), "")
     requests = build_requests(
         base_id,
         [prompt],
@@ -147,25 +162,75 @@ def plan_chat(
         max_tokens=max_tokens,
         sampling=sampling,
         stop=stop_strings(request, config),
-        prompt_logprobs=False,
+        prompt_logprobs=top_prompt,
         limits=limits,
         tokenizer=tokenizer,
         prompt_param="messages",
     )
-    return GenerationPlan(
-        requests=requests,
-        prompts=(prompt,),
-        n=request.n,
-        stream=request.stream,
-        include_usage=bool(request.stream_options and request.stream_options.include_usage),
-        logprobs=top_n,
-        tools=tools,
+    return with_extensions(
+        GenerationPlan(
+            requests=requests,
+            prompts=(prompt,),
+            n=request.n,
+            stream=request.stream,
+            include_usage=False,
+            logprobs=top_n,
+            tools=tools,
+            prompt_logprobs=top_prompt,
+        ),
+        request,
     )
 
 
-def _entry(tokenizer: TokenizerClient, token_id: int, logprob: float) -> dict[str, Any]:
+def plan_batch_chat(
+    base_id: str,
+    request: BatchChatCompletionRequest,
+    tokenizer: TokenizerClient,
+    config: ServerConfig,
+    limits: ModelLimits,
+) -> GenerationPlan:
+    """vLLM's /v1/chat/completions/batch: each conversation planned as its own chat request
+    (the batch's other fields shared), run as one generation; what vLLM refuses there
+    (streaming, n > 1, tools) is a 400 naming it."""
+    note_ignored(request)
+    if request.stream:
+        raise bad_request("stream is not supported on /v1/chat/completions/batch", param="stream")
+    if request.n != 1:
+        raise bad_request(
+            "Batch chat completions do not support `n > 1`. Please set `n` to 1.", param="n"
+        )
+    if request.tools or request.tool_choice not in (None, "none"):
+        param = "tools" if request.tools else "tool_choice"
+        raise bad_request(f"{param} is not supported on /v1/chat/completions/batch", param=param)
+    count = len(request.messages)
+    if count > config.max_prompts:
+        raise bad_request(
+            f"at most {config.max_prompts} conversations per request (max_prompts), got {count}",
+            param="messages",
+        )
+    check_samples(count, 1, config)
+    plans = []
+    for i in range(count):
+        try:
+            one = request.conversation(i)
+            plans.append(plan_chat(f"{base_id}-{i}", one, tokenizer, config, limits))
+        except APIError as exc:
+            if exc.param != "messages":
+                raise
+            message = f"messages[{i}]: {exc.message}"  # name the conversation at fault
+            raise APIError(exc.status, message, param=exc.param, code=exc.code) from exc
+    return replace(
+        plans[0],
+        requests=tuple(r for plan in plans for r in plan.requests),
+        prompts=tuple(p for plan in plans for p in plan.prompts),
+    )
+
+
+def _entry(
+    tokenizer: TokenizerClient, name: Callable[[int], str], token_id: int, logprob: float
+) -> dict[str, Any]:
     return {
-        "token": tokenizer.token_text(token_id),
+        "token": name(token_id),
         "logprob": finite(logprob),
         "bytes": list(tokenizer.token_bytes(token_id)),
     }
@@ -176,11 +241,14 @@ def chat_logprobs(
     token_ids: tuple[int, ...],
     lps: tuple[TokenLogprobs, ...],
     top_n: int,
+    name: Callable[[int], str] | None = None,
 ) -> list[dict[str, Any]]:
+    """OpenAI's logprobs content; `name` gives a token's `token` (default: its text)."""
+    name = name or tokenizer.token_text
     content = []
     for token_id, lp in zip(token_ids, lps, strict=True):
-        entry = _entry(tokenizer, token_id, lp.logprob)
-        entry["top_logprobs"] = [_entry(tokenizer, t, v) for t, v in lp.top[:top_n]]
+        entry = _entry(tokenizer, name, token_id, lp.logprob)
+        entry["top_logprobs"] = [_entry(tokenizer, name, t, v) for t, v in lp.top[:top_n]]
         content.append(entry)
     return content
 
@@ -188,49 +256,73 @@ def chat_logprobs(
 @dataclass
 class ChatChoice:
     index: int
+    prompt_index: int = 0
     text: str = ""
     finish_reason: str | None = None  # the engine's
+    stop_reason: str | int | None = None
     logprobs: list[dict[str, Any]] | None = None
     tools: ToolCallReader | None = None  # when the reply is read for tool calls
+    token_ids: list[int] = field(default_factory=list)  # generated (return_token_ids)
 
 
 class ChatShaper(ResponseShaper):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(
+        self, plan: GenerationPlan, tokenizer: TokenizerClient, model: str, response_id: str
+    ):
+        self._prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+        super().__init__(plan, tokenizer, model, response_id)
+
     def new_states(self, plan: GenerationPlan) -> dict[int, ChatChoice]:
+        """Choice index = prompt_index * n + sample index (one prompt but in a batch)."""
         tools = plan.tools if plan.tools is not None and plan.tools.reads_calls else None
         return {
-            k: ChatChoice(index=k, tools=ToolCallReader(tools) if tools else None)
+            p * plan.n + k: ChatChoice(
+                index=p * plan.n + k,
+                prompt_index=p,
+                tools=ToolCallReader(tools) if tools else None,
+            )
+            for p in range(len(plan.prompts))
             for k in range(plan.n)
         }
 
     def opening(self) -> list[dict[str, Any]]:
         """A first chunk per choice whose delta carries the role, as OpenAI streams it (with
-        content null when the reply may be tool calls, whose replies have none)."""
+        content null when the reply may be tool calls, whose replies have none); the very
+        first carries vLLM's prompt_token_ids when asked."""
         reads_calls = any(choice.tools is not None for choice in self.states.values())
-        return [
-            self.chunk(
+        chunks: list[dict[str, Any]] = []
+        for choice in self.states.values():
+            chunk = self.chunk(
                 [
                     {
-                        "index": index,
+                        "index": choice.index,
                         "delta": {"role": "assistant", "content": None if reads_calls else ""},
                         "logprobs": None,
                         "finish_reason": None,
                     }
                 ]
             )
-            for index in range(self.plan.n)
-        ]
+            if self.plan.return_token_ids and not chunks:
+                chunk["prompt_token_ids"] = list(self.plan.prompts[0].ids)
+            if self.plan.continuous_usage:
+                chunk["usage"] = self.prompt_usage(choice.prompt_index, 0)
+            chunks.append(chunk)
+        return chunks
 
-    def apply(self, item: PromptDelta) -> dict[str, Any] | None:
+    def fold(self, item: PromptDelta) -> dict[str, Any] | None:
         delta = item.delta
-        choice = self.states[delta.index]
+        choice = self.states[item.prompt_index * self.plan.n + delta.index]
+        if self._prompt_logprobs is None and delta.prompt_logprobs is not None:
+            self._prompt_logprobs = self.prompt_logprobs(delta.prompt_logprobs)
         choice.text += delta.text
+        choice.token_ids += delta.token_ids
         new_logprobs = None
         if self.plan.logprobs is not None and delta.logprobs is not None:
             new_logprobs = chat_logprobs(
-                self.tokenizer, delta.token_ids, delta.logprobs, self.plan.logprobs
+                self.tokenizer, delta.token_ids, delta.logprobs, self.plan.logprobs, self.token_text
             )
             choice.logprobs = (choice.logprobs or []) + new_logprobs
         elif self.plan.logprobs is not None and choice.logprobs is None:
@@ -238,19 +330,25 @@ class ChatShaper(ResponseShaper):
         finish = delta.finish_reason
         if finish is not None:
             choice.finish_reason = finish
+            choice.stop_reason = delta.stop_reason
         if choice.tools is not None:
             message, finish = choice.tools.step(choice.text, finish)
         else:
             message = {"content": delta.text} if delta.text or finish is None else {}
+        with_ids = self.plan.return_token_ids
         news = message.get("content") or message.get("tool_calls") or new_logprobs
-        if not news and finish is None:
+        if not news and finish is None and not (with_ids and delta.token_ids):
             return None
-        entry = {
+        entry: dict[str, Any] = {
             "index": choice.index,
             "delta": message,
             "logprobs": {"content": new_logprobs} if new_logprobs is not None else None,
             "finish_reason": finish,
         }
+        if finish is not None:
+            entry["stop_reason"] = choice.stop_reason
+        if with_ids:
+            entry["token_ids"] = list(delta.token_ids)
         return self.chunk([entry])
 
     def choices(self) -> list[dict[str, Any]]:
@@ -267,4 +365,16 @@ class ChatShaper(ResponseShaper):
             "message": message,
             "logprobs": {"content": choice.logprobs} if choice.logprobs is not None else None,
             "finish_reason": finish,
+            "stop_reason": choice.stop_reason,
+            "token_ids": choice.token_ids if self.plan.return_token_ids else None,
         }
+
+    def response(self, completion_tokens: int) -> dict[str, Any]:
+        """The body, with vLLM's prompt_logprobs and prompt_token_ids (null unless asked;
+        one conversation's: a batch's body has neither)."""
+        body = super().response(completion_tokens)
+        if len(self.plan.prompts) == 1:
+            body["prompt_logprobs"] = self._prompt_logprobs
+            ids = list(self.plan.prompts[0].ids) if self.plan.return_token_ids else None
+            body["prompt_token_ids"] = ids
+        return body

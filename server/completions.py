@@ -3,12 +3,16 @@
 Choice index = prompt_index * n + sample index (as vLLM). With echo the prompt
 text comes first (in the first chunk when streaming) and, with logprobs, the
 prompt's logprobs too (the first one null). `max_tokens: 0` with echo returns
-only the prompt, as lm-eval's log-likelihood requests expect.
+only the prompt, as lm-eval's log-likelihood requests expect. vLLM's extras in
+each choice: `stop_reason` (the stop string or token id that ended it),
+`prompt_logprobs`, and with `return_token_ids` the `prompt_token_ids` (a stream's
+first chunk of the choice) and `token_ids` (each chunk's own).
 """
 
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +35,15 @@ class CompletionLogprobs:
 
     def add(
         self,
-        tokenizer: TokenizerClient,
+        name: Callable[[int], str],
         token_id: int,
         lp: TokenLogprobs | None,
         top_n: int,
         offset: int,
     ) -> None:
-        """Append one token that starts at character `offset` of the choice's text."""
-        text = tokenizer.token_text(token_id)
+        """Append one token that starts at character `offset` of the choice's text;
+        `name` gives a token's name in the object (its text, or "token_id:N")."""
+        text = name(token_id)
         self.tokens.append(text)
         self.text_offset.append(offset)
         if lp is None:
@@ -46,7 +51,7 @@ class CompletionLogprobs:
             self.top_logprobs.append(None)
         else:
             self.token_logprobs.append(finite(lp.logprob))
-            top = {tokenizer.token_text(t): finite(v) for t, v in lp.top[:top_n]}
+            top = {name(t): finite(v) for t, v in lp.top[:top_n]}
             top.setdefault(text, finite(lp.logprob))
             self.top_logprobs.append(top)
 
@@ -92,8 +97,11 @@ class ChoiceState:
     text: str = ""
     started: bool = False
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: CompletionLogprobs | None = None
     offsets: TextOffsets | None = None  # of generated tokens, when logprobs are asked
+    token_ids: list[int] = field(default_factory=list)  # generated (return_token_ids)
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's field
 
 
 class CompletionShaper(ResponseShaper):
@@ -110,27 +118,33 @@ class CompletionShaper(ResponseShaper):
             for k in range(plan.n)
         }
 
-    def apply(self, item: PromptDelta) -> dict[str, Any] | None:
+    def fold(self, item: PromptDelta) -> dict[str, Any] | None:
         delta = item.delta
         choice = self.states[item.prompt_index * self.plan.n + delta.index]
         piece = CompletionLogprobs() if self.plan.logprobs is not None else None
         new_text = ""
-        if not choice.started:
+        first = not choice.started
+        if first:
             choice.started = True
+            choice.prompt_logprobs = self.prompt_logprobs(delta.prompt_logprobs)
             if self.plan.echo:
                 new_text += choice.prompt.text
                 if piece is not None:
                     self._add_prompt_logprobs(piece, choice, delta)
             start = len(choice.prompt.text) if self.plan.echo else 0
             choice.offsets = TextOffsets(self.tokenizer, start)
+        new_ids: tuple[int, ...] = ()
         if not self.plan.discard_output:
             if piece is not None and delta.logprobs is not None and choice.offsets is not None:
                 for token_id, lp in zip(delta.token_ids, delta.logprobs, strict=True):
                     offset = choice.offsets.next(token_id)
-                    piece.add(self.tokenizer, token_id, lp, self.plan.logprobs or 0, offset)
+                    piece.add(self.token_text, token_id, lp, self.plan.logprobs or 0, offset)
             new_text += delta.text
+            new_ids = delta.token_ids
+            choice.token_ids += new_ids
         if delta.finish_reason is not None:
             choice.finish_reason = "length" if self.plan.discard_output else delta.finish_reason
+            choice.stop_reason = None if self.plan.discard_output else delta.stop_reason
         choice.text += new_text
         logprobs = None
         if piece is not None:
@@ -138,14 +152,20 @@ class CompletionShaper(ResponseShaper):
                 choice.logprobs = CompletionLogprobs()
             choice.logprobs.extend(piece)
             logprobs = piece.as_dict()
-        if not (new_text or delta.finish_reason is not None or logprobs):
+        with_ids = self.plan.return_token_ids
+        if not (new_text or delta.finish_reason is not None or logprobs or with_ids and new_ids):
             return None
-        entry = {
+        entry: dict[str, Any] = {
             "index": choice.index,
             "text": new_text,
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
         }
+        if with_ids:
+            if first:
+                entry["prompt_token_ids"] = list(choice.prompt.ids)
+            entry["token_ids"] = list(new_ids)
         return self.chunk([entry])
 
     def _add_prompt_logprobs(
@@ -153,16 +173,23 @@ class CompletionShaper(ResponseShaper):
     ) -> None:
         entries = delta.prompt_logprobs or (None,) * len(choice.prompt.ids)
         offsets = TextOffsets(self.tokenizer)
+        top_n = self.plan.logprobs or 0
         for token_id, lp in zip(choice.prompt.ids, entries, strict=False):
-            piece.add(self.tokenizer, token_id, lp, self.plan.logprobs or 0, offsets.next(token_id))
+            piece.add(self.token_text, token_id, lp, top_n, offsets.next(token_id))
 
     def choices(self) -> list[dict[str, Any]]:
+        """Each choice, with vLLM's extra fields null unless asked (as vLLM's bodies)."""
+        with_ids = self.plan.return_token_ids
         return [
             {
                 "index": c.index,
                 "text": c.text,
                 "logprobs": c.logprobs.as_dict() if c.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "prompt_logprobs": c.prompt_logprobs,
+                "prompt_token_ids": list(c.prompt.ids) if with_ids else None,
+                "token_ids": c.token_ids if with_ids else None,
             }
             for c in sorted(self.states.values(), key=lambda c: c.index)
         ]

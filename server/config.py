@@ -74,6 +74,7 @@ class ServerConfig:
     # Tool calling (vLLM's flags): the reply format read for tool_choice auto.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    enable_tokenizer_info_endpoint: bool = False  # vLLM's: GET /tokenizer_info (its template)
     # Devices (see engine/mesh.py): one tensor-parallel mesh, or a prefill and a generate
     # set (disaggregated). A device set is a count (the first N devices; generate takes the
     # ones after prefill's) or ids: "0,1", "2-3".
@@ -276,6 +277,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "tokenizer_workers": (int, "threads tokenizing prompts off the event loop"),
     "enable_auto_tool_choice": (_switch, "read tool calls from replies to tool_choice auto"),
     "tool_call_parser": (str, f"tool-call format of the model: {', '.join(TOOL_PARSERS)}"),
+    "enable_tokenizer_info_endpoint": (_switch, "serve GET /tokenizer_info (shows the template)"),
     "tensor_parallel_size": (int, "devices the model is sharded over (heads, MLP, vocabulary)"),
     "prefill_devices": (str, "disaggregated: prefill's devices, a count or ids (0,1 or 0-1)"),
     "generate_devices": (str, "disaggregated: generate's devices, a count or ids (2,3 or 2-3)"),

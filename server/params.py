@@ -1,29 +1,35 @@
 """Validated OpenAI requests -> the orchestrator's `ActiveRequest`s.
 
 Owns every check that needs the model or the server's limits: prompt and
-context length, n, stop strings, logprobs, token ids (logit_bias and
-allowed_token_ids asked of SamplingParams), structured outputs (compiled by
-server.structured). Each failure is a 400
+context length, prompt truncation (vLLM's truncate_prompt_tokens), n, stop
+strings, logprobs and prompt logprobs, token ids (every out-of-vocabulary id is
+named; logit_bias and allowed_token_ids are then asked of SamplingParams),
+structured outputs (compiled by server.structured). Each failure is a 400
 `APIError` whose `param` names the field, raised before anything is queued.
+Fields no model reads are logged here, once per request.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.request import ActiveRequest
-from engine.types import PromptTooLongError, SamplingParams, TokenConstraint
+from engine.types import MAX_LOGPROBS, PromptTooLongError, SamplingParams, TokenConstraint
 from server.backend import ModelLimits, TokenizerClient
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
-from server.protocol import CompletionRequest, SamplingFields
+from server.protocol import CompletionRequest, RequestModel, SamplingFields
 from server.structured import compile_constraint, requested
 from server.tools import ToolPlan
 
+logger = logging.getLogger(__name__)
+
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
+SHOWN_VALUES = 64  # bad values an error message lists before "and N more"
 
 
 def finite(logprob: float) -> float:
@@ -52,6 +58,10 @@ class GenerationPlan:
     logprobs: int | None = None  # completions: top-N; chat: top_logprobs when logprobs=true
     discard_output: bool = False  # max_tokens=0: return only the (echoed) prompt
     tools: ToolPlan | None = None  # chat: the tools the prompt shows and the reply may call
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top-k per prompt position
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" tokens
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
 
 
 def prompt_items(request: CompletionRequest, config: ServerConfig) -> list[str | list[int]]:
@@ -72,18 +82,48 @@ def prompt_items(request: CompletionRequest, config: ServerConfig) -> list[str |
 
 
 def resolve_prompts(
-    items: Sequence[str | list[int]], tokenizer: TokenizerClient
+    items: Sequence[str | list[int]],
+    tokenizer: TokenizerClient,
+    request: SamplingFields,
+    limits: ModelLimits,
 ) -> tuple[PromptInput, ...]:
-    """Each prompt as token ids (and text, for echo)."""
+    """Each prompt as token ids (and text, for echo), truncated as the request asks."""
     out = []
     for item in items:
         if isinstance(item, str):
-            ids = _encode(tokenizer, item)
-            out.append(PromptInput(tuple(ids), item))
+            ids, text = _encode(tokenizer, item), item
         else:
             check_token_ids(tokenizer, item, "prompt")
-            out.append(PromptInput(tuple(item), tokenizer.decode(item)))
+            ids, text = list(item), None
+        kept = truncate(ids, request, limits)
+        if text is None or len(kept) != len(ids):
+            text = tokenizer.decode(kept)
+        out.append(PromptInput(kept, text))
     return tuple(out)
+
+
+def truncate(ids: Sequence[int], request: SamplingFields, limits: ModelLimits) -> tuple[int, ...]:
+    """vLLM's truncate_prompt_tokens: keep N of the prompt's tokens, the last N unless
+    truncation_side is "right"; -1 keeps as many as the engine takes."""
+    keep = request.truncate_prompt_tokens
+    if keep is None or (keep == -1 and len(ids) <= limits.max_prompt_len):
+        return tuple(ids)
+    if keep == 0:
+        raise bad_request(
+            "truncate_prompt_tokens must be -1 (the longest prompt served) or >= 1, got 0",
+            param="truncate_prompt_tokens",
+        )
+    if keep > limits.max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
+            f"{limits.max_model_len}. Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    if keep == -1:
+        keep = limits.max_prompt_len
+    if len(ids) <= keep:
+        return tuple(ids)
+    return tuple(ids[:keep] if request.truncation_side == "right" else ids[-keep:])
 
 
 def _encode(tokenizer: TokenizerClient, text: str) -> list[int]:
@@ -105,8 +145,65 @@ def check_token_ids(tokenizer: TokenizerClient, ids: Sequence[int], param: str) 
         raise bad_request(f"{param}: {exc}", param=param) from exc
 
 
+def listing(values: Sequence[object]) -> str:
+    """Values for an error message: all of them, or the first SHOWN_VALUES and a count."""
+    shown = ", ".join(str(v) for v in values[:SHOWN_VALUES])
+    more = len(values) - SHOWN_VALUES
+    return f"[{shown}{f', ... and {more} more' if more > 0 else ''}]"
+
+
+def check_vocab(param: str, ids: Sequence[int], vocab_size: int) -> None:
+    """A 400 naming every id of `param` outside the model's vocabulary, as vLLM's does."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(
+            f"token_id(s) {listing(bad)} in {param} are out of vocabulary: the vocabulary "
+            f"size is {vocab_size} (valid ids are 0..{vocab_size - 1})",
+            param=param,
+        )
+
+
+def note_ignored(request: RequestModel) -> None:
+    """One warning per request naming the fields no model here reads (vLLM ignores them
+    too); names are cut short, so a hostile body cannot flood the log."""
+    names = request.ignored_fields
+    if names:
+        shown = [name if len(name) <= 64 else name[:61] + "..." for name in names[:32]]
+        logger.warning(
+            "request fields ignored (this server does not read them): %s%s",
+            ", ".join(shown),
+            f" and {len(names) - 32} more" if len(names) > 32 else "",
+        )
+
+
+def prompt_logprobs(request: SamplingFields) -> int | None:
+    """vLLM's prompt_logprobs: the top k alternatives at each prompt position (0..20)."""
+    k = request.prompt_logprobs
+    if k is None:
+        return None
+    if k == -1:
+        raise bad_request(
+            f"prompt_logprobs=-1 (every token of the vocabulary) is not supported: ask for "
+            f"at most {MAX_LOGPROBS}",
+            param="prompt_logprobs",
+            code="unsupported",
+        )
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(
+            f"prompt_logprobs must be in 0..{MAX_LOGPROBS} (the most alternatives served), got {k}",
+            param="prompt_logprobs",
+        )
+    if request.stream:
+        raise bad_request(
+            "prompt_logprobs are not available when stream=True", param="prompt_logprobs"
+        )
+    return k
+
+
 def check_common(request: SamplingFields, config: ServerConfig, model_name: str) -> None:
-    """Checks shared by both endpoints: model, unsupported fields, n, stream_options."""
+    """Checks shared by both endpoints: model, unsupported fields, n, stream_options; the
+    fields no one reads are logged."""
+    note_ignored(request)
     if request.model is not None and request.model != model_name:
         raise APIError(
             404,
@@ -158,18 +255,21 @@ def stop_strings(request: SamplingFields, config: ServerConfig) -> tuple[str, ..
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,12}")  # a JSON object key naming a token id
 
 
-def logit_bias(request: SamplingFields) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs; the count, the range and
-    the ids are SamplingParams' rules (the engine owns them)."""
-    pairs = []
-    for key, bias in (request.logit_bias or {}).items():
-        if not _TOKEN_KEY.fullmatch(key):
-            raise bad_request(
-                f"logit_bias keys must be token ids (integers as strings), got {key!r}",
-                param="logit_bias",
-            )
-        pairs.append((int(key), bias))
-    return tuple(pairs)
+def logit_bias(request: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs; every key that is not
+    an id, then every id out of the vocabulary, is named. The count and the range are
+    SamplingParams' rules (the engine owns them)."""
+    entries = request.logit_bias or {}
+    bad = [key for key in entries if not _TOKEN_KEY.fullmatch(key)]
+    if bad:
+        keys = listing([repr(key if len(key) <= 32 else key[:29] + "...") for key in bad])
+        raise bad_request(
+            f"logit_bias contains key(s) that cannot be converted to integer token ids: {keys}",
+            param="logit_bias",
+        )
+    pairs = tuple((int(key), bias) for key, bias in entries.items())
+    check_vocab("logit_bias", [token for token, _ in pairs], vocab_size)
+    return pairs
 
 
 def sampling_params(
@@ -194,6 +294,9 @@ def sampling_params(
             f"min_tokens must be <= max_tokens ({token_budget}), got {request.min_tokens}",
             param="min_tokens",
         )
+    if request.allowed_token_ids:
+        check_vocab("allowed_token_ids", request.allowed_token_ids, limits.vocab_size)
+    bias = logit_bias(request, limits.vocab_size)
     try:
         sampling = SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -204,7 +307,7 @@ def sampling_params(
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             min_tokens=request.min_tokens,
-            logit_bias=logit_bias(request),
+            logit_bias=bias,
             allowed_token_ids=(
                 None if request.allowed_token_ids is None else tuple(request.allowed_token_ids)
             ),
@@ -236,7 +339,7 @@ def build_requests(
     max_tokens: int | None,
     sampling: SamplingParams,
     stop: tuple[str, ...],
-    prompt_logprobs: bool,
+    prompt_logprobs: int | None,
     limits: ModelLimits,
     tokenizer: TokenizerClient,
     prompt_param: str,
@@ -289,9 +392,13 @@ def plan_completion(
         raise bad_request("max_tokens must be >= 1 when streaming", param="max_tokens")
     items = prompt_items(request, config)
     check_samples(len(items), request.n, config)
+    # vLLM's: echo with logprobs asks for the prompt's logprobs, as many alternatives
+    top_prompt = prompt_logprobs(request)
+    if top_prompt is None and request.echo:
+        top_prompt = request.logprobs
     constraint = compile_constraint(requested(request), tokenizer, limits)
     sampling = sampling_params(request, request.logprobs, request.max_tokens, limits, constraint)
-    prompts = resolve_prompts(items, tokenizer)
+    prompts = resolve_prompts(items, tokenizer, request, limits)
     stop = stop_strings(request, config)
     requests = build_requests(
         base_id,
@@ -300,18 +407,37 @@ def plan_completion(
         max_tokens=request.max_tokens,
         sampling=sampling,
         stop=stop,
-        prompt_logprobs=request.echo and request.logprobs is not None,
+        prompt_logprobs=top_prompt,
         limits=limits,
         tokenizer=tokenizer,
         prompt_param="prompt",
     )
-    return GenerationPlan(
-        requests=requests,
-        prompts=prompts,
-        n=request.n,
-        stream=request.stream,
-        include_usage=bool(request.stream_options and request.stream_options.include_usage),
-        echo=request.echo,
-        logprobs=request.logprobs,
-        discard_output=request.max_tokens == 0,
+    return with_extensions(
+        GenerationPlan(
+            requests=requests,
+            prompts=prompts,
+            n=request.n,
+            stream=request.stream,
+            include_usage=False,
+            echo=request.echo,
+            logprobs=request.logprobs,
+            discard_output=request.max_tokens == 0,
+            prompt_logprobs=top_prompt,
+        ),
+        request,
+    )
+
+
+def with_extensions(plan: GenerationPlan, request: SamplingFields) -> GenerationPlan:
+    """The plan with what the request asks of the response's shape: usage in the stream
+    (OpenAI's include_usage, vLLM's continuous_usage_stats with it, as vLLM reads them),
+    vLLM's token ids and "token_id:N" tokens."""
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
+    return replace(
+        plan,
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
+        return_token_ids=bool(request.return_token_ids),
+        tokens_as_ids=bool(request.return_tokens_as_token_ids),
     )

@@ -1,8 +1,10 @@
 """Pydantic models of the OpenAI requests we accept.
 
-Unknown fields are ignored, as OpenAI does; vLLM's extras (`top_k`, `ignore_eos`,
-`stop_token_ids`, `min_tokens`, `allowed_token_ids`, ...) are accepted. Fields we know but do not
-support are declared so that setting them is a clear 400 (see `unsupported`),
+Unknown fields are ignored, as OpenAI and vLLM do, and each request names them
+(`RequestModel.ignored_fields`) for one warning in the log; vLLM's extras (`top_k`,
+`ignore_eos`, `stop_token_ids`, `min_tokens`, `allowed_token_ids`, `prompt_logprobs`,
+`return_token_ids`, `truncate_prompt_tokens`, ...) are accepted. Fields we know but do
+not support are declared so that setting them is a clear 400 (see `unsupported`),
 never silently ignored. Limits that depend on the server's config are checked
 later, in `server.params`.
 """
@@ -15,11 +17,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
     field_validator,
+    model_validator,
 )
 
 from engine.types import MAX_LOGPROBS
@@ -37,21 +42,45 @@ def _float(ge: float | None = None, gt: float | None = None, le: float | None = 
     return Field(default=None, allow_inf_nan=False, ge=ge, gt=gt, le=le)
 
 
+class RequestModel(BaseModel):
+    """A request body: fields no model declares are dropped, and named (`ignored_fields`)
+    so the planner can log them once, as vLLM does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, RequestModel):
+            known = {f.alias or name for name, f in cls.model_fields.items()} | set(
+                cls.model_fields
+            )
+            model._ignored = tuple(sorted(str(k) for k in data if k not in known))
+        return model
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """Top-level fields of the body that no field here reads."""
+        return self._ignored
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage on every chunk too
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Fields shared by both endpoints.
 
     Types are strict, as OpenAI's are: "5" is not a number and true is not 1.
     Every number is bounded here or in `server.params` (where the bound needs
     the model), so any value accepted is one the engine can hold.
     """
-
-    model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
     temperature: StrictFloat | None = _float(ge=0.0, le=MAX_TEMPERATURE)
@@ -83,9 +112,22 @@ class SamplingFields(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM's: prompt logprobs (k alternatives, <= MAX_LOGPROBS; params), token ids in the
+    # choices, "token_id:N" for tokens in logprobs, and prompt truncation to N tokens
+    prompt_logprobs: StrictInt | None = None
+    return_token_ids: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # -1: the context
+    truncation_side: Literal["left", "right"] | None = None  # None: left (keep the last N)
+    length_penalty: StrictFloat | None = _float()  # vLLM reads it in beam search alone
+    priority: StrictInt = 0  # vLLM's; 0 (its default scheduling) is all there is here
     # known but unsupported: rejected when they would change the output
     repetition_penalty: StrictFloat | None = _float()
     min_p: StrictFloat | None = _float()
+    use_beam_search: StrictBool = False
+    logprob_token_ids: list[StrictInt] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    bad_words: list[StrictStr] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first set field we cannot honour, else None."""
@@ -93,6 +135,23 @@ class SamplingFields(BaseModel):
             return "repetition_penalty", "repetition_penalty is not supported"
         if self.min_p not in (None, 0.0):
             return "min_p", "min_p is not supported"
+        if self.use_beam_search:
+            return "use_beam_search", "use_beam_search is not supported (beam search)"
+        if self.logprob_token_ids:
+            return (
+                "logprob_token_ids",
+                "logprob_token_ids is not supported: use logprobs / top_logprobs",
+            )
+        if self.kv_transfer_params is not None:
+            return (
+                "kv_transfer_params",
+                "kv_transfer_params is not supported: this server does not transfer KV "
+                "between instances",
+            )
+        if self.bad_words:
+            return "bad_words", "bad_words is not supported"
+        if self.priority != 0:
+            return "priority", "priority is not supported (requests are served in order)"
         return None
 
 
@@ -211,8 +270,9 @@ class ChatMessage(BaseModel):
         return parts_text(self.content, where, frozenset({"text"}))
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+class ChatFields(SamplingFields):
+    """Chat's fields but the conversation: one request's, or each of a batch's."""
+
     max_tokens: StrictInt | None = Field(default=None, ge=0)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     logprobs: StrictBool = False
@@ -230,7 +290,26 @@ class ChatCompletionRequest(SamplingFields):
         return self.unsupported()
 
 
-class TokenizeRequest(BaseModel):
+class ChatCompletionRequest(ChatFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class BatchChatCompletionRequest(ChatFields):
+    """vLLM's POST /v1/chat/completions/batch: `messages` is a list of conversations, each
+    answered by one choice (choice i for conversation i); not streamed, n = 1, no tools."""
+
+    messages: list[list[ChatMessage]] = Field(min_length=1)
+
+    def conversation(self, index: int) -> ChatCompletionRequest:
+        """Conversation `index` as a chat request with the batch's other fields (already
+        validated, so built, not validated again; the fields set stay those sent)."""
+        values = {name: getattr(self, name) for name in ChatFields.model_fields}
+        return ChatCompletionRequest.model_construct(
+            _fields_set=self.model_fields_set, **values, messages=self.messages[index]
+        )
+
+
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: `prompt` (text) or `messages` (rendered with the chat template).
 
     vLLM's two request types in one model, told apart by which input is given, so an
@@ -249,7 +328,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: StrictBool = False  # known, not supported
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
@@ -317,7 +396,7 @@ class ResponsesToolChoice(BaseModel):
     name: StrictStr | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestModel):
     """The stateless subset of OpenAI's Responses API (POST /v1/responses).
 
     Fields that need state (store, previous_response_id, conversation) or features not

@@ -32,6 +32,7 @@ from server.params import (
     PromptInput,
     build_requests,
     check_common,
+    note_ignored,
     sampling_params,
 )
 from server.protocol import ResponsesRequest, SamplingFields
@@ -56,6 +57,7 @@ def plan_response(
         user=request.user,
     )
     check_common(fields, config, config.model_name)
+    note_ignored(request)
     unsupported = request.unsupported()
     if unsupported is not None:
         raise bad_request(unsupported[1], param=unsupported[0], code="unsupported")
@@ -81,7 +83,7 @@ def plan_response(
         max_tokens=max_tokens,
         sampling=sampling,
         stop=(),
-        prompt_logprobs=False,
+        prompt_logprobs=None,
         limits=limits,
         tokenizer=tokenizer,
         prompt_param="input",
@@ -115,6 +117,7 @@ class ResponsesShaper:
         self.created_at = int(time.time())
         self.text = ""
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt positions the engine took from its prefix cache
         tools = plan.tools
         self.reader = ToolCallReader(tools) if tools is not None and tools.reads_calls else None
         self.named = tools.function if tools is not None and tools.choice == "named" else None
@@ -133,6 +136,7 @@ class ResponsesShaper:
     def apply(self, item: PromptDelta) -> None:
         """Fold a delta in (the whole response's path; a stream asks `events`)."""
         self.text += item.delta.text
+        self.cached_tokens = max(self.cached_tokens, item.delta.cached_tokens)
         if item.delta.finish_reason is not None:
             self.finish_reason = item.delta.finish_reason
 
@@ -339,7 +343,7 @@ class ResponsesShaper:
         input_tokens = sum(len(p.ids) for p in self.plan.prompts)
         return {
             "input_tokens": input_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + completion_tokens,

@@ -15,7 +15,8 @@ ask for a constraint and the rule that a request asks for at most one:
   removed, read as the matching `structured_outputs` entry, so older clients keep
   their constraint instead of having it dropped;
 - chat's and the Responses API's `tool_choice` "required" or a named function,
-  constrained to the schema server.tools gives (vLLM's behaviour);
+  constrained to the schema server.tools gives (vLLM's behaviour); it wins over any
+  other constraint the request asks for, as vLLM's does;
 - the Responses API's `text.format`: `{"type": "json_object"}` or `{"type":
   "json_schema", "name", "schema", "strict"}` (flat; enforced either way).
 
@@ -73,9 +74,11 @@ def requested_by_response(
 def _one(
     asked: list[tuple[GrammarSpec, str]], tool_schema: dict[str, Any] | None
 ) -> tuple[GrammarSpec, str] | None:
-    """The one constraint asked for, with tool_choice's; more than one is a 400."""
+    """The one constraint asked for; more than one is a 400. tool_choice's (required or a
+    named function) wins over the others, as in vLLM, whose tool parser replaces the
+    request's structured outputs and response_format with it."""
     if tool_schema is not None:
-        asked.append((GrammarSpec.json_schema(tool_schema), "tool_choice"))
+        return GrammarSpec.json_schema(tool_schema), "tool_choice"
     if len(asked) > 1:
         fields = ", ".join(param for _, param in asked)
         raise bad_request(

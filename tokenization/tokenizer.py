@@ -49,6 +49,18 @@ def _generation_eos_ids(folder: Path) -> set[int]:
     return set(values)
 
 
+def _json_value(value: Any) -> Any:
+    """A tokenizer argument as JSON: special tokens as their text, other objects as text."""
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    content = getattr(value, "content", None)  # transformers' AddedToken
+    return content if isinstance(content, str) else str(value)
+
+
 class Tokenizer:
     """A checkpoint's fast tokenizer with the few operations serving needs."""
 
@@ -106,6 +118,21 @@ class Tokenizer:
         )
         return tokenizer
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's configuration as vLLM's /tokenizer_info gives it: the arguments it
+        was loaded with (tokenizer_config.json's), less file locations, with its class and
+        the chat template in use."""
+        config = {
+            key: _json_value(value)
+            for key, value in dict(getattr(self.hf, "init_kwargs", None) or {}).items()
+            if not key.endswith("_file") and key != "name_or_path"
+        }
+        config["tokenizer_class"] = type(self.hf).__name__
+        template = self._chat_template or getattr(self.hf, "chat_template", None)
+        if template:
+            config["chat_template"] = template
+        return config
+
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be served: a template was given or the checkpoint has one."""
@@ -121,8 +148,10 @@ class Tokenizer:
         return list(batch[0].ids)
 
     def validate_ids(self, ids: Sequence[int]) -> list[int]:
-        """A token-id prompt as plain ints; InvalidTokenError names the first bad id."""
+        """A token-id prompt as plain ints; InvalidTokenError names the first id that is no
+        integer, or every id out of the vocabulary (with its position)."""
         out: list[int] = []
+        bad: list[str] = []
         for position, token_id in enumerate(ids):
             if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
                 raise InvalidTokenError(
@@ -130,11 +159,16 @@ class Tokenizer:
                 )
             value = int(token_id)
             if not 0 <= value < self.vocab_size:
-                raise InvalidTokenError(
-                    f"token id {value} at position {position} is outside the vocabulary "
-                    f"(valid ids are 0..{self.vocab_size - 1}, vocabulary size {self.vocab_size})"
-                )
+                bad.append(f"{value} at position {position}")
             out.append(value)
+        if bad:
+            shown = ", ".join(bad[:64]) + (f" and {len(bad) - 64} more" if len(bad) > 64 else "")
+            which = "token id" if len(bad) == 1 else "token ids"
+            are = "is" if len(bad) == 1 else "are"
+            raise InvalidTokenError(
+                f"{which} {shown} {are} out of vocabulary (valid ids are "
+                f"0..{self.vocab_size - 1}, vocabulary size {self.vocab_size})"
+            )
         return out
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -250,8 +250,6 @@ CASES = [
     ("unknown tool_choice", {"tools": FLAT_TOOLS, "tool_choice": "sometimes"}, 400, "tool_choice",
      None),
     ("required without tools", {"tool_choice": "required"}, 400, "tool_choice", "`tools`"),
-    ("schema and named tool", {"tools": FLAT_TOOLS, "tool_choice": NAMED, "text": JSON_OBJECT},
-     400, "tool_choice", "one output constraint"),
     ("format without schema", {"text": {"format": {"type": "json_schema", "name": "x"}}}, 400,
      "text", "schema"),
     ("unknown format", {"text": {"format": {"type": "yaml"}}}, 400, "text", "yaml"),
