@@ -71,6 +71,20 @@ def _version() -> str:
 
 
 VERSION = _version()
+# /invocations reads its body itself (its shape picks the endpoint): documented here
+INVOCATION_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": {
+                "anyOf": [
+                    {"$ref": "#/components/schemas/ChatCompletionRequest"},
+                    {"$ref": "#/components/schemas/CompletionRequest"},
+                ]
+            }
+        }
+    },
+}
 
 
 def create_app(config: ServerConfig, loader: Callable[[], Backend] | None = None) -> FastAPI:
@@ -225,7 +239,7 @@ def _add_routes(
         shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)
         return await respond(request, backend, plan, shaper)
 
-    @app.post("/invocations")
+    @app.post("/invocations", openapi_extra={"requestBody": INVOCATION_BODY})
     async def invocations(request: Request) -> Response:
         """SageMaker's entry point: a body with `messages` is a chat completion, one with
         `prompt` a completion (vLLM tries the chat request first, then the completion)."""

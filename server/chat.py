@@ -11,7 +11,8 @@ response_format and structured_outputs do (server.structured; the tool's constra
 wins over theirs, as in vLLM). vLLM's extras: `stop_reason` in each choice, the
 response's `prompt_logprobs`, and with `return_token_ids` the response's (a stream's
 first chunk's) `prompt_token_ids` and each choice's (chunk's) `token_ids`. One shaper
-serves /v1/chat/completions/batch too: choice i is conversation i there.
+serves /v1/chat/completions/batch too: choice i is conversation i there. vLLM's
+`echo` starts the reply with the last message's text when that is an assistant's.
 """
 
 from __future__ import annotations
@@ -124,7 +125,16 @@ def render_prompt(
     )
     if not ids:
         raise bad_request("messages rendered to an empty prompt", param="messages")
-    return PromptInput(ids, "")
+    return PromptInput(ids, echo_text(request))
+
+
+def echo_text(request: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the text the reply starts with, the last message's when it has
+    the reply's role (assistant: a message continue_final_message goes on with)."""
+    last = request.messages[-1]
+    if not request.echo or last.role != "assistant":
+        return ""
+    return last.text("messages[-1].content")
 
 
 def plan_chat(
@@ -154,7 +164,7 @@ def plan_chat(
     constraint = compile_constraint(asked, tokenizer, limits)
     sampling = sampling_params(request, top_n, max_tokens, limits, constraint)
     rendered = render_prompt(request, tokenizer, tools)
-    prompt = PromptInput(truncate(rendered.ids, request, limits), "")
+    prompt = PromptInput(truncate(rendered.ids, request, limits), rendered.text)
     requests = build_requests(
         base_id,
         [prompt],
@@ -174,6 +184,7 @@ def plan_chat(
             n=request.n,
             stream=request.stream,
             include_usage=False,
+            echo=bool(rendered.text),
             logprobs=top_n,
             tools=tools,
             prompt_logprobs=top_prompt,
@@ -310,7 +321,21 @@ class ChatShaper(ResponseShaper):
             if self.plan.continuous_usage:
                 chunk["usage"] = self.prompt_usage(choice.prompt_index, 0)
             chunks.append(chunk)
+        for choice in self.states.values():  # chat echo: the echoed text, then the tokens
+            echoed = self._echoed(choice)
+            if echoed:
+                entry = {"index": choice.index, "delta": {"content": echoed}}
+                chunk = self.chunk([entry | {"logprobs": None, "finish_reason": None}])
+                if self.plan.continuous_usage:
+                    chunk["usage"] = self.prompt_usage(choice.prompt_index, 0)
+                chunks.append(chunk)
         return chunks
+
+    def _echoed(self, choice: ChatChoice) -> str:
+        """What the reply starts with (vLLM's chat echo; never before tool calls)."""
+        if not self.plan.echo or choice.tools is not None:
+            return ""
+        return self.plan.prompts[choice.prompt_index].text
 
     def fold(self, item: PromptDelta) -> dict[str, Any] | None:
         delta = item.delta
@@ -358,7 +383,7 @@ class ChatShaper(ResponseShaper):
         if choice.tools is not None:
             message, finish = choice.tools.reply(choice.text, choice.finish_reason)
         else:
-            message = {"role": "assistant", "content": choice.text}
+            message = {"role": "assistant", "content": self._echoed(choice) + choice.text}
             finish = choice.finish_reason
         return {
             "index": choice.index,

@@ -3,7 +3,8 @@
 Choice index = prompt_index * n + sample index (as vLLM). With echo the prompt
 text comes first (in the first chunk when streaming) and, with logprobs, the
 prompt's logprobs too (the first one null). `max_tokens: 0` with echo returns
-only the prompt, as lm-eval's log-likelihood requests expect. vLLM's extras in
+only the prompt, as lm-eval's log-likelihood requests expect; a token-id prompt echoes
+as its decoded text, special tokens included, as vLLM's does. vLLM's extras in
 each choice: `stop_reason` (the stop string or token id that ended it),
 `prompt_logprobs`, and with `return_token_ids` the `prompt_token_ids` (a stream's
 first chunk of the choice) and `token_ids` (each chunk's own).
@@ -51,8 +52,9 @@ class CompletionLogprobs:
             self.top_logprobs.append(None)
         else:
             self.token_logprobs.append(finite(lp.logprob))
-            top = {name(t): finite(v) for t, v in lp.top[:top_n]}
-            top.setdefault(text, finite(lp.logprob))
+            top = {text: finite(lp.logprob)}  # the token first, then the top n (vLLM's order)
+            for t, v in lp.top[:top_n]:
+                top.setdefault(name(t), finite(v))
             self.top_logprobs.append(top)
 
     def extend(self, other: CompletionLogprobs) -> None:
@@ -71,12 +73,14 @@ class CompletionLogprobs:
 
 
 class TextOffsets:
-    """Character offset of each token in decoded text: special tokens add nothing, and a
-    token that ends inside a multi-byte character starts where that character starts."""
+    """Character offset of each token in decoded text: special tokens add nothing (or their
+    text, where the text shows them: `specials`), and a token that ends inside a
+    multi-byte character starts where that character starts."""
 
-    def __init__(self, tokenizer: TokenizerClient, start: int = 0):
+    def __init__(self, tokenizer: TokenizerClient, start: int = 0, specials: bool = False):
         self._tokenizer = tokenizer
         self._special = tokenizer.special_token_ids
+        self._specials_shown = specials
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.chars = start
 
@@ -85,6 +89,8 @@ class TextOffsets:
         offset = self.chars
         if token_id not in self._special:
             self.chars += len(self._decoder.decode(self._tokenizer.token_bytes(token_id)))
+        elif self._specials_shown:
+            self.chars += len(self._tokenizer.token_text(token_id))
         return offset
 
 
@@ -172,7 +178,7 @@ class CompletionShaper(ResponseShaper):
         self, piece: CompletionLogprobs, choice: ChoiceState, delta: Delta
     ) -> None:
         entries = delta.prompt_logprobs or (None,) * len(choice.prompt.ids)
-        offsets = TextOffsets(self.tokenizer)
+        offsets = TextOffsets(self.tokenizer, specials=choice.prompt.specials_shown)
         top_n = self.plan.logprobs or 0
         for token_id, lp in zip(choice.prompt.ids, entries, strict=False):
             piece.add(self.token_text, token_id, lp, top_n, offsets.next(token_id))

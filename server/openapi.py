@@ -50,6 +50,7 @@ _WHY = {
 _GENERATION_ERRORS = (400, 404, 408, 429, 503)
 _PROBES = {
     "/health": "The process and its engine threads are alive (503: the engine failed)",
+    "/ping": "SageMaker's health check: /health's answer",
     "/ready": "The model is loaded and warm (503: starting, draining or failed)",
 }
 
@@ -98,7 +99,7 @@ def rewrite(schema: dict[str, Any], *, api_key_required: bool) -> dict[str, Any]
     return schema
 
 
-_STREAMED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+_STREAMED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"})
 
 
 def _error(status: int) -> dict[str, Any]:

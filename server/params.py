@@ -43,6 +43,7 @@ class PromptInput:
 
     ids: tuple[int, ...]
     text: str
+    specials_shown: bool = False  # the text is decoded ids, special tokens included
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,11 @@ def resolve_prompts(
             check_token_ids(tokenizer, item, "prompt")
             ids, text = list(item), None
         kept = truncate(ids, request, limits)
-        if text is None or len(kept) != len(ids):
-            text = tokenizer.decode(kept)
-        out.append(PromptInput(kept, text))
+        if text is not None and len(kept) == len(ids):
+            out.append(PromptInput(kept, text))
+        else:  # echoed as vLLM echoes ids: decoded, special tokens shown
+            decoded = tokenizer.decode(kept, skip_special_tokens=False)
+            out.append(PromptInput(kept, decoded, specials_shown=True))
     return tuple(out)
 
 

@@ -283,6 +283,7 @@ class ChatFields(SamplingFields):
     functions: list[Any] | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # vLLM's: extend the last (assistant) message
+    echo: StrictBool = False  # vLLM's: the reply starts with the last (assistant) message's text
 
     def chat_unsupported(self) -> tuple[str, str] | None:
         if self.functions:

@@ -80,6 +80,20 @@ def test_echo_with_logprobs_gives_prompt_logprobs_too(client: openai.OpenAI) -> 
     assert entries[0] is None and all(1 <= len(p) <= 2 for p in entries[1:])
 
 
+def test_echo_of_token_ids_shows_special_tokens(client: openai.OpenAI, live: LiveServer) -> None:
+    """vLLM echoes a token-id prompt as its ids decoded, BOS and all; offsets follow."""
+    ids = tokenize(live, PROMPT)  # starts with BOS, a special token
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True, logprobs=0
+    )
+    choice = out.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and len(logprobs.tokens) == len(ids)
+    assert choice.text.startswith(logprobs.tokens[0]) and logprobs.text_offset[0] == 0
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset, strict=True):
+        assert choice.text[offset:].startswith(token), (token, offset, choice.text)
+
+
 def test_prompt_logprobs_on_chat(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 1}
@@ -153,6 +167,7 @@ def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
     ids = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
     assert ids == out.choices[0].token_ids  # type: ignore[attr-defined]
     assert all(k.startswith("token_id:") for top in logprobs.top_logprobs for k in top)
+    assert [next(iter(top)) for top in logprobs.top_logprobs] == logprobs.tokens  # vLLM's order
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=2,
         extra_body=extra,
@@ -162,6 +177,19 @@ def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
     assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
     plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, logprobs=1)
     assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)  # type: ignore[union-attr]
+
+
+def test_chat_echo_starts_the_reply_with_the_last_message(client: openai.OpenAI) -> None:
+    saying = "An apple a day keeps"
+    messages = [{"role": "user", "content": "A saying?"}, {"role": "assistant", "content": saying}]
+    args = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0}
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**args, extra_body=extra)  # type: ignore[call-overload]
+    echoed = client.chat.completions.create(**args, extra_body={**extra, "echo": True})  # type: ignore[call-overload]
+    content = plain.choices[0].message.content or ""
+    assert echoed.choices[0].message.content == saying + content
+    chunks = client.chat.completions.create(**args, extra_body={**extra, "echo": True}, stream=True)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == saying + content
 
 
 # --- usage ------------------------------------------------------------------------------
