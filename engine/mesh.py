@@ -122,6 +122,42 @@ def place_params(folder: Any, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
+def place_checkpoint_params(folder: Any, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Any:
+    """The checkpoint's params in its own layout (engine.paged_model) on the mesh, shard by
+    shard as `place_params` reads them: the embedding split by vocabulary rows with the
+    head (a tied head is the embedding itself, no second copy)."""
+    if mesh.devices.size != cfg.shards:
+        raise ValueError(f"a mesh of {mesh.devices.size} devices for {cfg.shards} shards")
+    if cfg.shards == 1:
+        host = load_params(folder, cfg, dtype)
+        return jax.device_put(host, checkpoint_param_shardings(host, cfg, mesh))
+    devices = list(mesh.devices.flat)
+    rows = cfg.vocab_size // cfg.head_shards
+    pieces: list[list[jax.Array]] = []
+    treedef = None
+    for shard, device in enumerate(devices):
+        if device.process_index != jax.process_index():
+            continue  # multi-host: another process reads that shard
+        host = load_params(folder, cfg, dtype, shard)
+        if cfg.head_shards > 1:
+            host["embed"] = np.ascontiguousarray(host["embed"][shard * rows : (shard + 1) * rows])
+            if cfg.tie_word_embeddings:
+                del host["lm_head"]  # this shard's rows of the embedding, which it has
+        leaves, treedef = jax.tree.flatten(host)
+        pieces.append([jax.device_put(leaf, device) for leaf in leaves])
+        del host, leaves
+    assert treedef is not None
+    shardings = jax.tree.leaves(
+        checkpoint_param_shardings(jax.tree.unflatten(treedef, pieces[0]), cfg, mesh),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    leaves = [
+        _assemble([local[i] for local in pieces], sharding, len(devices))
+        for i, sharding in enumerate(shardings)
+    ]
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def _assemble(parts: list[jax.Array], sharding: NamedSharding, shards: int) -> jax.Array:
     """One global array of `shards` parts under `sharding`, from this process's parts."""
     spec = sharding.spec

@@ -112,8 +112,9 @@ def forward(
     cfg: ModelConfig,
     attention: Attention,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """The batch's tokens through every layer -> (logits (S, vocab) float32 of each
-    sequence's last query, pages with the batch's K/V written)."""
+    """The batch's tokens through every layer -> (each token's final hidden state (T,
+    hidden), pages with the batch's K/V written); `head_logits` of `x[batch.last]` are each
+    sequence's next-token logits."""
     dtype = params["embed"].dtype
     x = params["embed"][batch.tokens]
     cos, sin = rope_tables(jnp.asarray(batch.positions), inv_freq, dtype)
@@ -125,4 +126,4 @@ def forward(
         attn = attention.attend(q, layer_pages, batch.attention, sliding_window=cfg.sliding_window)
         x = layer_output(lp, x, attn.reshape(t, cfg.q_size), cfg)
         written.append(layer_pages)
-    return head_logits(params, x[batch.last], cfg), tuple(written)
+    return x, tuple(written)

@@ -110,6 +110,11 @@ class TokenConstraint(Protocol):
     """A compiled structured-output constraint (tokenization.grammar.CompiledGrammar), shared
     and never changed by the samples that follow it; opaque to the engine but for these."""
 
+    @property
+    def spec(self) -> tuple[str, str]:
+        """(kind, text) it was compiled from (tokenization.grammar.GrammarSpec's fields)."""
+        ...
+
     def initial_mask(self) -> Any:
         """int32 words: the tokens allowed first (the one prefill samples)."""
         ...
@@ -271,6 +276,7 @@ class CacheStats:
     decode_cache_bytes: int = 0  # every slot's KV, a whole context each
     prefix_cache_bytes: int = 0
     prompt_buffer_bytes: int = 0  # one long prompt's KV while it is prefilled in pieces
+    kv_cache_bytes: int = 0  # the engine core's KV pages (prefix cache included)
 
 
 class EngineProtocol(Protocol):

@@ -34,9 +34,10 @@ class ServerConfig:
     max_slots: int = 8
     # "slot" (the slot engine and its orchestrator) or "paged" (engine.core: the engine
     # core over paged KV, being built: no structured outputs or prompt logprobs yet)
-    engine: str = "slot"
+    engine: str = "paged"
     max_num_batched_tokens: int = 256  # paged: tokens one step takes (decode rows + chunks)
     page_size: int = 16  # paged: positions per KV page
+    prefix_caching: bool = True  # paged: prompts share cached leading pages (vLLM's default)
     max_model_len: int | None = None  # None: the checkpoint's (capped by the engine)
     prefill_buckets: tuple[int, ...] | None = None  # None: powers of two up to the context
     dtype: str = "float32"
@@ -247,6 +248,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "engine": (str, "slot (default) or paged: the engine core over paged KV (being built)"),
     "max_num_batched_tokens": (int, "paged: tokens one step takes, decode rows and chunks"),
     "page_size": (int, "paged: positions per KV page"),
+    "prefix_caching": (_switch, "paged: share prompts' cached leading pages (default on)"),
     "max_model_len": (int, "context length: prompt + completion tokens"),
     "prefill_buckets": (_buckets, "comma list of prefill padding lengths"),
     "dtype": (str, "float32 or bfloat16"),

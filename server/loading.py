@@ -110,48 +110,45 @@ def build_engines(config: ServerConfig) -> tuple[Any, Any]:
     return prefill_engine, engine
 
 
-def load_core(config: ServerConfig, text_streams: Any) -> Any:
-    """The engine core over paged KV behind the orchestrator's interface, warmed up and
-    started (--engine paged): one device, one process for now."""
-    from engine.config import load_model_config
-    from engine.core.core import CoreConfig, EngineCore
-    from engine.core.service import CoreService
-    from engine.engine import DEFAULT_MAX_MODEL_LEN
+def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> Any:
+    """The engine core over paged KV in its own process, warmed up, behind an EngineClient
+    (--engine paged): one tensor-parallel mesh on one host."""
+    from engine.client import EngineClient
+    from engine.stages.faults import FaultPlan
 
     unsupported = {
-        "tensor_parallel_size": config.tensor_parallel_size != 1,
         "prefill_devices": config.prefill_devices is not None,
         "num_processes": config.num_processes != 1,
     }
     named = [name for name, used in unsupported.items() if used]
     if named:
         raise ValueError(f"--engine paged does not support {', '.join(named)} yet")
-    logger.info("compile cache: %s", enable_compile_cache(config) or "off")
-    path = model_path(config)
-    cfg = load_model_config(path)
-    max_len = config.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    page = config.page_size
-    chunk = max(page, min(config.prefill_chunk or 256, config.max_num_batched_tokens))
-    chunk -= chunk % page
-    pages_per_seq = -(-max_len // page)
-    core = EngineCore(
-        CoreConfig(
-            model_path=path,
-            dtype=config.dtype,
-            max_num_seqs=config.max_slots,
-            max_model_len=max_len,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            chunk_size=chunk,
-            page_size=page,
-            # the slot engine's KV bytes (every sequence a whole context) unless capped
-            num_pages=None if config.kv_cache_memory_bytes else config.max_slots * pages_per_seq,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        )
+    folder = enable_compile_cache(config)
+    logger.info("compile cache: %s", folder or "off")
+    fault = None if config.fault_injection is None else FaultPlan.parse(config.fault_injection)
+    core = {
+        "model_path": str(model_path(config)),
+        "dtype": config.dtype,
+        "max_num_seqs": config.max_slots,
+        "max_model_len": config.max_model_len,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "chunk_size": config.prefill_chunk or 256,
+        "page_size": config.page_size,
+        "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+        "prefix_caching": config.prefix_caching,
+        "tensor_parallel_size": config.tensor_parallel_size,
+    }
+    client = EngineClient(
+        core,
+        text_streams,
+        eos_token_ids,
+        max_queued_samples=config.max_queued_samples,
+        log_level=logging.getLogger().getEffectiveLevel(),
+        compile_cache_dir=None if folder is None else str(folder),
+        fail_after_steps=None if fault is None else fault.after,
     )
-    core.warmup()
-    service = CoreService(core, text_streams)
-    service.start()
-    return service
+    client.start()
+    return client
 
 
 def load_backend(config: ServerConfig, followers: Sequence[Any] = ()) -> Backend:
@@ -172,8 +169,8 @@ def load_backend(config: ServerConfig, followers: Sequence[Any] = ()) -> Backend
         from engine.config import load_model_config
 
         eos = tokenizer.eos_token_ids | frozenset(load_model_config(path).eos_token_ids)
-        service = load_core(config, text_streams(tokenizer.detokenizer, eos))
-        return Backend(tokenizer=tokenizer, orchestrator=service, limits=service.limits)
+        client = load_core(config, text_streams(tokenizer.detokenizer, eos), eos)
+        return Backend(tokenizer=tokenizer, orchestrator=client, limits=client.limits)
     prefill_engine, engine = build_engines(config)
     if followers:
         engine = LeaderEngine(engine, followers)

@@ -86,6 +86,7 @@ class _StatsCollector(Collector):
                 ("decode_cache", cache.decode_cache_bytes),
                 ("prefix_cache", cache.prefix_cache_bytes),
                 ("prompt_buffer", cache.prompt_buffer_bytes),
+                ("kv_cache", cache.kv_cache_bytes),
             ):
                 memory.add_metric(name + [pool], size)
         yield depth

@@ -105,14 +105,20 @@ class CompiledGrammar:
     """A compiled constraint, shared by every sample that asks for it: a matcher at the
     start and its first mask, computed once (samples get copies)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, width: _Width) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, width: _Width, spec: GrammarSpec) -> None:
         self._start = matcher
         self._width = width
+        self._spec = spec
         self._initial = np.zeros((width.words,), np.int32)
         fill_mask(matcher, self._initial, width)
         self._lock = threading.Lock()  # deep_copy reads the start state other threads share
         if not self._initial.any():
             raise GrammarError("the constraint allows no output at all")
+
+    @property
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): what it was compiled from, for an engine in another process."""
+        return self._spec.kind, self._spec.text
 
     def initial_mask(self) -> np.ndarray:
         """Tokens allowed first (the prefill samples it); callers must not write to it."""
@@ -188,7 +194,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, limits=self._limits, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {spec.kind} constraint: {matcher.get_error().strip()}")
-        return CompiledGrammar(matcher, self._width)
+        return CompiledGrammar(matcher, self._width, spec)
 
 
 def _grammar_text(spec: GrammarSpec) -> str:

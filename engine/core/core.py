@@ -4,8 +4,9 @@ Runs on: one thread, the core's loop (nano-vllm's `step`, vLLM V1's EngineCore).
 the scheduler and the runner it builds from a checkpoint and a `CoreConfig`. Receives
 sequences (`add`, `abort`); emits each step's `Emitted` tokens.
 
-The KV cache gets its pages from a byte budget (`kv_cache_memory_bytes`) or a page
-count; a budget that cannot hold one max_model_len sequence is an error at start.
+Params are placed on a mesh of `tensor_parallel_size` devices (GSPMD: heads, kv heads,
+the MLP and the vocabulary split over its "model" axis); the KV cache gets its pages
+from engine.core.memory (a byte budget, a page count, or what the devices have left).
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
-
 from engine.attention import KVLayout, attention_backend
-from engine.checkpoint import NP_DTYPES, load_params
-from engine.config import load_model_config
+from engine.checkpoint import NP_DTYPES
+from engine.config import ModelConfig, load_model_config, tensor_parallel
+from engine.core.memory import KVBudget, pages_for_budget
 from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Runner
 from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
+from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
+from engine.types import EngineLimits
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass(frozen=True)
@@ -33,33 +37,75 @@ class CoreConfig:
     model_path: str | Path
     dtype: str = "float32"
     max_num_seqs: int = 8
-    max_model_len: int = 512
+    max_model_len: int | None = None  # None: the model's, at most DEFAULT_MAX_MODEL_LEN
     max_num_batched_tokens: int = 256
     chunk_size: int = 128  # prompt positions per chunk
+    max_prefill_seqs: int = 4  # prompt chunks per step
     page_size: int = 16
-    num_pages: int | None = None  # or from kv_cache_memory_bytes
+    num_pages: int | None = None  # or from kv_cache_memory_bytes / the devices
     kv_cache_memory_bytes: int | None = None
+    memory_utilization: float = 0.9  # of each device's memory, when neither is given
     prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    devices: tuple[int, ...] | None = None  # ids; default the first tensor_parallel_size
 
     def __post_init__(self) -> None:
         if self.dtype not in NP_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {self.dtype!r}")
-        if (self.num_pages is None) == (self.kv_cache_memory_bytes is None):
-            raise ValueError("give exactly one of num_pages and kv_cache_memory_bytes")
+        if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give at most one of num_pages and kv_cache_memory_bytes")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
+            raise ValueError(
+                f"devices {list(self.devices)} must be tensor_parallel_size "
+                f"({self.tensor_parallel_size}) ids"
+            )
+
+    def model_len(self, cfg: ModelConfig) -> int:
+        if self.max_model_len is None:
+            return min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        return self.max_model_len
 
 
 class EngineCore:
     def __init__(self, config: CoreConfig) -> None:
         cfg = load_model_config(config.model_path)
+        if config.tensor_parallel_size > 1:
+            cfg = tensor_parallel(cfg, config.tensor_parallel_size)
         self.config = config
         self.model_config = cfg
-        platform = jax.devices()[0].platform
+        max_len = config.model_len(cfg)
+        self.max_model_len = max_len
+        self.mesh = (
+            mesh_of(config.devices)
+            if config.devices is not None
+            else default_mesh(config.tensor_parallel_size)
+        )
+        platform = self.mesh.devices.flat[0].platform
         fold = 128 // cfg.head_dim if platform == "tpu" and cfg.head_dim < 128 else 1
         probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.dtype, fold)
-        num_pages = config.num_pages
-        if num_pages is None:
-            assert config.kv_cache_memory_bytes is not None
-            num_pages = config.kv_cache_memory_bytes // (probe.page_bytes * cfg.num_layers)
+        chunk = max(config.page_size, min(config.chunk_size, config.max_num_batched_tokens))
+        chunk -= chunk % config.page_size
+        self.chunk_size = chunk
+        params = place_checkpoint_params(config.model_path, cfg, config.dtype, self.mesh)
+        budget = KVBudget(
+            num_pages=config.num_pages,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            memory_utilization=config.memory_utilization,
+            default_pages=config.max_num_seqs * -(-max_len // config.page_size),
+        )
+        num_pages = pages_for_budget(budget, probe, cfg.num_layers, self.mesh)
         layout = KVLayout(
             num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.dtype, fold
         )
@@ -68,31 +114,46 @@ class EngineCore:
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-                chunk_size=config.chunk_size,
+                max_model_len=max_len,
+                chunk_size=chunk,
+                max_prefill_seqs=config.max_prefill_seqs,
+                vocab_size=cfg.vocab_size,
             ),
             pool,
         )
-        params = jax.device_put(load_params(config.model_path, cfg, config.dtype))
+        attention = attention_backend(
+            platform, layout, self.mesh, chunk_size=chunk, max_prefill_seqs=config.max_prefill_seqs
+        )
         self.runner = Runner(
             params,
             cfg,
             layout,
-            attention_backend(platform, layout),
+            attention,
+            self.mesh,
             max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
+            max_model_len=max_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
             eos_token_ids=cfg.eos_token_ids,
         )
         self.kv_cache_bytes = layout.page_bytes * num_pages * cfg.num_layers
+        self.limits = EngineLimits(
+            max_model_len=max_len, max_prompt_len=max_len - 1, vocab_size=cfg.vocab_size
+        )
         logger.info(
-            "engine core: %d pages of %d positions (%d bytes of KV), %d sequences, "
-            "%d tokens a step",
+            "engine core: %s on %d %s device(s), %d pages of %d positions (%d bytes of KV, "
+            "%d max-length sequences), %d sequences, %d tokens a step, prompt chunks of %d, "
+            "attention %s",
+            cfg.architecture,
+            self.mesh.devices.size,
+            platform,
             num_pages,
             config.page_size,
             self.kv_cache_bytes,
+            num_pages // -(-max_len // config.page_size),
             config.max_num_seqs,
             config.max_num_batched_tokens,
+            chunk,
+            type(attention).__name__,
         )
 
     @property
@@ -117,3 +178,6 @@ class EngineCore:
         if plan is None:
             return []
         return self.scheduler.update(plan, self.runner.step(plan))
+
+
+__all__ = ["CoreConfig", "Emitted", "EngineCore", "Sequence"]

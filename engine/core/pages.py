@@ -124,20 +124,21 @@ class PagePool:
             pages.append(page)
         return pages
 
-    def register(self, pages: Sequence[int], tokens: Sequence[int]) -> None:
-        """Record that the sequence whose page table is `pages` holds the KV of `tokens`
-        (positions 0 on): each full page gets its block key, registered unless another
-        page already holds that block.
+    def register(
+        self, pages: Sequence[int], tokens: Sequence[int], length: int | None = None
+    ) -> None:
+        """Record that the sequence whose page table is `pages` holds the KV of the first
+        `length` (default all) of `tokens` (positions 0 on): each full page gets its block
+        key, registered unless another page already holds that block.
 
         Idempotent, and it hashes only pages that filled since the last call.
         """
-        if len(pages) * self.page_size < len(tokens):
-            raise ValueError(
-                f"{len(pages)} pages of {self.page_size} cannot hold {len(tokens)} tokens"
-            )
+        length = len(tokens) if length is None else length
+        if len(pages) * self.page_size < length or length > len(tokens):
+            raise ValueError(f"{len(pages)} pages of {self.page_size} cannot hold {length} tokens")
         if not self.prefix_caching:
             return
-        full = len(tokens) // self.page_size
+        full = length // self.page_size
         known = full
         while known > 0 and pages[known - 1] not in self._key_of:
             known -= 1

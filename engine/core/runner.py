@@ -1,10 +1,11 @@
 """The runner: device verbs of the engine core, one ragged step a call.
 
 Runs on: the scheduler loop's thread. Owns: params placed on the mesh, the KV pages
-(one array per layer, donated to every step), the per-row sampling state on the device
-(token counts for penalties), and the jitted step, compiled once per (tokens, sequences)
-bucket at warm-up. Receives a `StepPlan` from the scheduler; emits a `StepResult`
-(host numpy: one sampled token per sequence of the plan, with logprobs).
+(one array per layer, split over the mesh by kv head, donated to every step), the
+per-row sampling state on the device (token counts for penalties), and the jitted
+programs, compiled for every shape in `Shapes` at warm-up. Receives a `StepPlan` from
+the scheduler; emits a `StepResult` (host numpy: one sampled token per sequence of the
+plan, with logprobs, and the prompt logprobs the plan asked for).
 
 No scheduling questions cross this seam: the plan says which tokens of which sequences
 run, at which positions, in which pages; the runner pads them to a bucket and runs.
@@ -13,7 +14,7 @@ run, at which positions, in which pages; the runner pads them to a bucket and ru
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -21,13 +22,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine.attention import Attention, KVLayout
 from engine.config import ModelConfig
 from engine.model import Params
-from engine.paged_model import Chunk, StepBatch, forward, make_batch
-from engine.sampling import Sampled, SamplingArrays, host_arrays, sample
-from engine.types import SamplingParams
+from engine.paged_model import Chunk, StepBatch, forward, head_logits, make_batch
+from engine.sampling import Sampled, SamplingArrays, host_arrays, sample, top_logprobs
+from engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+
+MODEL_AXIS = "model"
+# XLA:CPU runs a one-row product (and a 16-bit two-row one) through other kernels than
+# wider ones, which round the sums otherwise: every step's products take at least this
+# many rows, so a sequence gets the same bits alone as in a full batch.
+MIN_TOKENS_BUCKET = 8
+MIN_SEQS_BUCKET = 4
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,9 @@ class RowWork:
     emits: bool = True  # the step samples its next token (not a prompt chunk short of the end)
     fresh: bool = False  # its first step: the row's counts start from zero...
     prior: tuple[int, ...] = ()  # ...plus these tokens it sampled before it was preempted
+    allowed: np.ndarray | None = None  # structured outputs: its next token's mask
+    prompt_next: tuple[int, ...] = ()  # prompt logprobs: each position's next prompt token
+    prompt_top: int = 0  # ...and how many alternatives each
 
 
 @dataclass(frozen=True)
@@ -53,11 +65,41 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Per token of a step: the logprob of the prompt token after it, and the best ones."""
+
+    chosen: np.ndarray  # (T,) float32
+    top_ids: np.ndarray  # (T, MAX_LOGPROBS) int32
+    top_logprobs: np.ndarray  # (T, MAX_LOGPROBS) float32
+
+
+@dataclass(frozen=True)
 class StepResult:
     tokens: np.ndarray  # (rows,) int32: each sequence's sampled token
     logprobs: np.ndarray  # (rows,) float32: its logprob (zeros unless some row asked)
     top_ids: np.ndarray  # (rows, MAX_LOGPROBS) int32
     top_logprobs: np.ndarray  # (rows, MAX_LOGPROBS) float32
+    starts: tuple[int, ...] = ()  # each row's first token in the step
+    prompt: PromptLogprobs | None = None  # when some row asked for prompt logprobs
+
+    def prompt_entries(self, row: int, work: RowWork) -> list[TokenLogprobs | None]:
+        """Row `row`'s prompt logprobs: one entry per position whose next token is the
+        prompt's (vLLM's: the logprob of prompt token p + 1 given those before it)."""
+        assert self.prompt is not None
+        start, k = self.starts[row], work.prompt_top
+        out: list[TokenLogprobs | None] = []
+        for i, following in enumerate(work.prompt_next):
+            if following < 0:
+                break
+            t = start + i
+            top = tuple(
+                (int(a), float(b))
+                for a, b in zip(
+                    self.prompt.top_ids[t, :k], self.prompt.top_logprobs[t, :k], strict=True
+                )
+            )
+            out.append(TokenLogprobs(following, float(self.prompt.chosen[t]), top))
+        return out
 
 
 def buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -76,7 +118,31 @@ def fit(count: int, sizes: Sequence[int]) -> int:
     raise ValueError(f"{count} exceeds the largest bucket {sizes[-1]}")
 
 
-def _step(
+@dataclass(frozen=True)
+class Shapes:
+    """Every shape the runner's programs take, published once: steps pad to a (tokens,
+    sequences) pair of these buckets."""
+
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    pages_per_seq: int
+
+    @classmethod
+    def of(cls, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int) -> Shapes:
+        tokens = buckets(min(MIN_TOKENS_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
+        seqs = buckets(min(MIN_SEQS_BUCKET, max_num_seqs), max_num_seqs)
+        return cls(tokens, seqs, pages_per_seq)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Every (tokens, sequences) bucket pair a step may take."""
+        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+
+    def bucket(self, tokens: int, seqs: int) -> tuple[int, int]:
+        t = fit(max(tokens, seqs), self.token_buckets)
+        return t, fit(seqs, [s for s in self.seq_buckets if s <= t])
+
+
+def step_program(
     params: Params,
     pages: tuple[jax.Array, ...],
     counts: jax.Array,
@@ -91,10 +157,12 @@ def _step(
     *,
     cfg: ModelConfig,
     attention: Attention,
-) -> tuple[Sampled, tuple[jax.Array, ...], jax.Array]:
+) -> tuple[Sampled, tuple[jax.Array, ...], jax.Array, jax.Array]:
     """forward + sample; each emitting row's counts gain its sampled token (padding rows
-    point past the table and change nothing). A fresh row's counts are zeroed first."""
-    logits, pages = forward(params, pages, batch, inv_freq, cfg, attention)
+    point past the table and change nothing). A fresh row's counts are zeroed first.
+    Also returns every token's final hidden state, for prompt logprobs."""
+    x, pages = forward(params, pages, batch, inv_freq, cfg, attention)
+    logits = head_logits(params, x[batch.last], cfg)
     counts = lax.cond(
         jnp.any(fresh),
         lambda c: c.at[jnp.where(fresh, rows, c.shape[0])].set(0, mode="drop"),
@@ -104,7 +172,19 @@ def _step(
     mine = counts.at[rows].get(mode="fill", fill_value=0)
     out = sample(logits, sampling, generated, mine, generated, eos_mask)
     counts = counts.at[rows, out.token].add(emits.astype(jnp.int32), mode="drop")
-    return out, pages, counts
+    return out, pages, counts, x
+
+
+def prompt_logprobs_program(
+    params: Params, x: jax.Array, following: jax.Array, *, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each token's logprob of the token after it (`following`; padding any id) and the
+    MAX_LOGPROBS best, from the step's hidden states."""
+    logprobs = jax.nn.log_softmax(head_logits(params, x, cfg), axis=-1)
+    index = jnp.clip(following, 0, logprobs.shape[-1] - 1)
+    chosen = jnp.take_along_axis(logprobs, index[:, None], axis=-1)[:, 0]
+    values, ids = top_logprobs(logprobs)
+    return chosen, ids, values
 
 
 def _recount(counts: jax.Array, row: jax.Array, ids: jax.Array) -> jax.Array:
@@ -113,6 +193,40 @@ def _recount(counts: jax.Array, row: jax.Array, ids: jax.Array) -> jax.Array:
     vocab = counts.shape[1]
     fresh = jnp.zeros((vocab,), counts.dtype).at[ids].add(1, mode="drop")
     return counts.at[row].set(fresh)
+
+
+def pages_sharding(mesh: Mesh) -> NamedSharding:
+    """A layer's pages split by kv head (the combined-heads axis) over the mesh."""
+    if mesh.devices.size == 1:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec(None, None, MODEL_AXIS, None))
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One step's device work as host arrays, nothing else: what `execute` runs, and what
+    a multi-host leader sends its followers to run in the same order (engine.multihost)."""
+
+    batch: StepBatch  # host arrays, padded to a bucket of Shapes
+    rows: np.ndarray  # (S,) int32: device rows; padding past the table
+    emits: np.ndarray  # (S,) bool
+    fresh: np.ndarray  # (S,) bool
+    sampling: SamplingArrays  # (S, ...) host arrays
+    generated: np.ndarray  # (S,) int32
+    recount: tuple[tuple[int, np.ndarray], ...] = ()  # rows whose counts are rebuilt first
+    following: np.ndarray | None = None  # (T,) int32: prompt logprobs' next tokens
+
+    @property
+    def tokens(self) -> int:
+        return int(np.asarray(self.batch.tokens).shape[0])
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step's outputs on the device, not yet copied to the host."""
+
+    sampled: Sampled
+    prompt: tuple[jax.Array, jax.Array, jax.Array] | None
 
 
 class Runner:
@@ -124,61 +238,91 @@ class Runner:
         cfg: ModelConfig,
         layout: KVLayout,
         attention: Attention,
+        mesh: Mesh,
         *,
         max_num_seqs: int,
         max_model_len: int,
         max_num_batched_tokens: int,
         eos_token_ids: Sequence[int] = (),
-        min_tokens_bucket: int = 8,
     ) -> None:
         self.params = params
         self.cfg = cfg
         self.layout = layout
+        self.mesh = mesh
         self.max_num_seqs = max_num_seqs
-        self.pages_per_seq = -(-max_model_len // layout.page_size)
-        self.token_buckets = buckets(
-            min(min_tokens_bucket, max_num_batched_tokens), max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.shapes = Shapes.of(
+            max_num_seqs, max_num_batched_tokens, -(-max_model_len // layout.page_size)
         )
-        self.seq_buckets = buckets(1, max_num_seqs)
-        self.pages = tuple(layout.empty() for _ in range(cfg.num_layers))
-        self.counts = jnp.zeros((max_num_seqs, cfg.vocab_size), jnp.int32)
+        whole = NamedSharding(mesh, PartitionSpec())
+        empty = jax.jit(layout.empty, out_shardings=pages_sharding(mesh))
+        self.pages = tuple(empty() for _ in range(cfg.num_layers))
+        self.counts = jax.device_put(np.zeros((max_num_seqs, cfg.vocab_size), np.int32), whole)
         eos = np.zeros((cfg.vocab_size,), bool)
         eos[[i for i in eos_token_ids if 0 <= i < cfg.vocab_size]] = True
-        self.eos_mask = jnp.asarray(eos)
-        self.inv_freq = jnp.asarray(cfg.rope_inv_freq())
+        self.eos_mask = jax.device_put(eos, whole)
+        self.inv_freq = jax.device_put(cfg.rope_inv_freq(), whole)
         self._step = jax.jit(
-            functools.partial(_step, cfg=cfg, attention=attention), donate_argnums=(1, 2)
+            functools.partial(step_program, cfg=cfg, attention=attention), donate_argnums=(1, 2)
         )
+        self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
         self._recount = jax.jit(_recount, donate_argnums=(0,))
-        self.max_model_len = max_model_len
-        self._idle = SamplingParams(temperature=0.0, seed=0)
-
-    def shapes(self) -> list[tuple[int, int]]:
-        """Every (tokens, sequences) bucket pair a step may take."""
-        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        self._idle = host_arrays(SamplingParams(temperature=0.0, seed=0), cfg.vocab_size)
+        self._host: dict[int, tuple[SamplingParams, SamplingArrays]] = {}  # by device row
+        # multi-host: called with each call before it runs (the leader's followers)
+        self.mirror: Callable[[StepCall], None] | None = None
 
     def warmup(self) -> None:
-        """Compile every bucket pair now (before readiness), on padding only."""
-        for tokens, seqs in self.shapes():
-            self._run(StepPlan(()), tokens, seqs)
+        """Compile every program now (before readiness), on padding only, through
+        `execute` (so a multi-host leader's followers compile the same, in order)."""
+        idle = StepPlan(())
+        for tokens, seqs in self.shapes.pairs():
+            self.collect(idle, self.execute(self._call(idle, tokens, seqs)))
+        ids = np.full(self.max_model_len, self.cfg.vocab_size, np.int32)
+        for tokens in self.shapes.token_buckets:  # prompt logprobs, and a rebuilt row once
+            following = np.zeros(tokens, np.int32)
+            seqs = self.shapes.seq_buckets[0]
+            recount = ((0, ids),) if tokens == self.shapes.token_buckets[0] else ()
+            call = self._call(idle, tokens, seqs, following=following, recount=recount)
+            self.collect(idle, self.execute(call))
 
     def step(self, plan: StepPlan) -> StepResult:
-        tokens = fit(plan.tokens, self.token_buckets)
-        seqs = fit(len(plan.rows), [s for s in self.seq_buckets if s <= tokens])
-        return self._run(plan, tokens, seqs)
+        """Prepare, run and collect one step (the whole of it, blocking)."""
+        return self.collect(plan, self.execute(self.prepare(plan)))
 
-    def _run(self, plan: StepPlan, tokens: int, seqs: int) -> StepResult:
-        layout = self.layout
+    def prepare(self, plan: StepPlan) -> StepCall:
+        """The plan's device work as host arrays, padded to its bucket (host only)."""
+        tokens, seqs = self.shapes.bucket(plan.tokens, len(plan.rows))
+        following = None
+        if any(r.prompt_next for r in plan.rows):
+            following = np.zeros(tokens, np.int32)
+            start = 0
+            for r in plan.rows:
+                following[start : start + len(r.prompt_next)] = r.prompt_next
+                start += len(r.chunk.tokens)
+        recount = []
         for work in plan.rows:
             if work.prior:  # back after a preemption: its penalties count what it had
                 ids = np.full(self.max_model_len, self.cfg.vocab_size, np.int32)
                 ids[: len(work.prior)] = work.prior
-                self.counts = self._recount(self.counts, np.int32(work.row), ids)
+                recount.append((work.row, ids))
+        return self._call(plan, tokens, seqs, following=following, recount=tuple(recount))
+
+    def _call(
+        self,
+        plan: StepPlan,
+        tokens: int,
+        seqs: int,
+        *,
+        following: np.ndarray | None = None,
+        recount: tuple[tuple[int, np.ndarray], ...] = (),
+    ) -> StepCall:
+        layout = self.layout
         batch = make_batch(
             [r.chunk for r in plan.rows],
             tokens=tokens,
             seqs=seqs,
-            pages_per_seq=self.pages_per_seq,
+            pages_per_seq=self.shapes.pages_per_seq,
             page_size=layout.page_size,
             num_pages=layout.num_pages,
         )
@@ -191,28 +335,78 @@ class Runner:
         fresh[:real] = [r.fresh for r in plan.rows]
         generated = np.zeros(seqs, np.int32)
         generated[:real] = [r.generated for r in plan.rows]
-        per_row = [host_arrays(r.sampling, self.cfg.vocab_size) for r in plan.rows]
-        idle = host_arrays(self._idle, self.cfg.vocab_size)
-        per_row += [idle] * (seqs - real)
+        per_row = [self._sampling(r) for r in plan.rows] + [self._idle] * (seqs - real)
         stacked = [np.stack(field) for field in zip(*per_row, strict=True)]
         sampling = SamplingArrays(*cast(list[jax.Array], stacked))  # host arrays, as jit takes
-        out, self.pages, self.counts = self._step(
+        return StepCall(batch, rows, emits, fresh, sampling, generated, recount, following)
+
+    def execute(self, call: StepCall) -> Launched:
+        """Dispatch the call's programs; returns at once with the outputs on the device."""
+        if self.mirror is not None:
+            self.mirror(call)
+        for row, ids in call.recount:
+            self.counts = self._recount(self.counts, np.int32(row), ids)
+        sampled, self.pages, self.counts, hidden = self._step(
             self.params,
             self.pages,
             self.counts,
-            batch,
-            rows,
-            emits,
-            fresh,
-            sampling,
-            generated,
+            call.batch,
+            call.rows,
+            call.emits,
+            call.fresh,
+            call.sampling,
+            call.generated,
             self.eos_mask,
             self.inv_freq,
         )
-        host = jax.device_get(out)
+        prompt = None
+        if call.following is not None:
+            prompt = self._prompt(self.params, hidden, call.following)
+        return Launched(sampled, prompt)
+
+    def collect(self, plan: StepPlan, launched: Launched) -> StepResult:
+        """Wait for a launched step and copy what the plan's rows need to the host."""
+        real = len(plan.rows)
+        host = jax.device_get(launched.sampled)
+        prompt = None
+        if launched.prompt is not None:
+            prompt = PromptLogprobs(*(np.asarray(a) for a in launched.prompt))
+        starts, at = [], 0
+        for r in plan.rows:
+            starts.append(at)
+            at += len(r.chunk.tokens)
         return StepResult(
             tokens=np.asarray(host.token[:real]),
             logprobs=np.asarray(host.logprob[:real]),
             top_ids=np.asarray(host.top_ids[:real]),
             top_logprobs=np.asarray(host.top_logprobs[:real]),
+            starts=tuple(starts),
+            prompt=prompt,
         )
+
+    def _sampling(self, work: RowWork) -> SamplingArrays:
+        """A row's sampling arrays, built once per sequence (the mask changes per step)."""
+        known = self._host.get(work.row)
+        if known is None or known[0] is not work.sampling:
+            known = (work.sampling, host_arrays(work.sampling, self.cfg.vocab_size))
+            self._host[work.row] = known
+        arrays = known[1]
+        if work.allowed is not None:
+            mask = cast(jax.Array, work.allowed)  # host arrays, as jit takes them
+            arrays = arrays._replace(allowed=mask, masked=cast(jax.Array, np.bool_(True)))
+        return arrays
+
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "Chunk",
+    "PromptLogprobs",
+    "RowWork",
+    "Runner",
+    "Shapes",
+    "StepPlan",
+    "StepCall",
+    "StepResult",
+    "prompt_logprobs_program",
+    "step_program",
+]

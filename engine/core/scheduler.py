@@ -3,29 +3,34 @@
 Runs on: the engine core's loop thread (single-threaded: it is the only code that
 reads or writes the state below). Owns: the waiting queue, the running sequences,
 their pages (through engine.core.pages.PagePool, whose prefix cache it feeds), their
-device rows, token budgets and stop by length or stop token, and preemption.
+device rows, token budgets, stop by length or stop token, structured outputs' matchers
+and masks, and preemption.
 Receives: `add` and `abort`, and each step's `StepResult`. Emits: a `StepPlan` per
 step (engine.core.runner) and `Emitted` events, one per sampled token, in order.
 
 Each step: every running sequence with a token to feed is a decode row (one query);
 then prompt chunks, running ones first, then new sequences in arrival order, as far
-as `max_num_batched_tokens` goes. A prompt is computed in chunks of `chunk_size`
-positions aligned from position 0 (a prefix-cache hit skips whole pages; the
-chunk after it ends on the same boundary a fresh prompt's would), so decode rows are
-never stalled for more than one chunk's worth of tokens. Out of pages, the sequence
-admitted last is preempted: its pages and row are released and it waits at the front
-of the queue, to be computed again from its prompt and the tokens it has (vLLM's
-recompute policy): a client never sees it, and its seeded tokens do not change.
+as `max_num_batched_tokens` and `max_prefill_seqs` go. A prompt is computed in chunks
+of `chunk_size` positions aligned from position 0 (a prefix-cache hit skips whole
+pages; the chunk after it ends on the same boundary a fresh prompt's would), so decode
+rows are never stalled for more than one chunk's worth of tokens. Out of pages, the
+sequence admitted last is preempted: its pages and row are released and it waits at
+the front of the queue, to be computed again from its prompt and the tokens it has
+(vLLM's recompute policy): a client never sees it, and its seeded tokens do not change.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.core.pages import PagePool
 from engine.core.runner import Chunk, RowWork, StepPlan, StepResult
-from engine.types import SamplingParams
+from engine.sampling import token_bitmask
+from engine.types import ConstraintMatcher, SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -34,25 +39,44 @@ class Sequence:
 
     seq_id: str
     prompt: tuple[int, ...]
-    sampling: SamplingParams  # seed set
+    sampling: SamplingParams  # seed set; its constraint, if any, is the grammar
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignored) and the request's
+    prompt_logprobs: int | None = None  # alternatives per prompt position (None: none)
     output: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     computed: int = 0  # positions whose K/V the pages hold
     row: int | None = None  # device row while running
     preempted: int = 0  # times it was preempted
     cached_tokens: int = 0  # prompt positions its first admission took from the prefix cache
+    arrived: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None  # its first step
+    matcher: ConstraintMatcher | None = None  # structured outputs: where its grammar stands
+    mask: np.ndarray | None = None  # the tokens its next sample may take (constrained only)
+    prompt_entries: list[TokenLogprobs | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._tokens = list(self.prompt) + self.output  # prompt then output, grown in place
         if self.sampling.seed is None:
             raise ValueError("sampling.seed must be set before the scheduler sees a sequence")
         if not self.prompt:
             raise ValueError("a sequence needs at least one prompt token")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
     @property
-    def tokens(self) -> tuple[int, ...]:
-        return self.prompt + tuple(self.output)
+    def tokens(self) -> list[int]:
+        """Prompt then output (read only: `append` grows it)."""
+        return self._tokens
+
+    def append(self, token: int) -> None:
+        self.output.append(token)
+        self._tokens.append(token)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to collect: only on its first pass over the prompt."""
+        return self.prompt_logprobs is not None and not self.output
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,11 @@ class Emitted:
     logprob: float
     finish_reason: str | None = None  # "stop" | "length"
     top: tuple[tuple[int, float], ...] = ()  # (id, logprob) best first, when it asked
+    cached_tokens: int = 0  # prompt positions taken from the prefix cache (first token only)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # first token only
+    done: bool = False  # its grammar is complete with this token
+    error: str | None = None  # the sequence failed (its grammar refused); it has ended
+    scheduled: float | None = None  # first token only: when its first step began
 
 
 @dataclass
@@ -72,6 +101,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     chunk_size: int  # prompt positions per chunk, a multiple of the page size
+    max_prefill_seqs: int = 0  # prompt chunks per step (0: as many as the budget takes)
+    vocab_size: int = 0  # for allowed_token_ids' masks (0: no masks)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_size"):
@@ -82,6 +113,10 @@ class SchedulerConfig:
                 f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
                 f"{self.max_num_batched_tokens}"
             )
+        if self.max_prefill_seqs < 0:
+            raise ValueError(f"max_prefill_seqs must be >= 0, got {self.max_prefill_seqs}")
+        if self.max_prefill_seqs == 0:
+            self.max_prefill_seqs = self.max_num_batched_tokens
 
 
 class Scheduler:
@@ -103,26 +138,29 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._plan: list[Sequence] = []
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's)
+        self.prefix_hits = 0  # of those, found
+        self.preemptions = 0
 
     # -- requests -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         limit = self.config.max_model_len
         if len(seq.prompt) >= limit:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens leaves no room in {limit}")
+        constraint = seq.sampling.constraint
+        if constraint is not None:
+            seq.matcher = constraint.matcher()
+            seq.mask = np.asarray(constraint.initial_mask(), np.int32) & self._base(seq)
         self.waiting.append(seq)
 
     def abort(self, seq_id: str) -> bool:
         """Drop a sequence wherever it is; False if it is not here (already finished)."""
-        for seq in self.waiting:
-            if seq.seq_id == seq_id:
-                self.waiting.remove(seq)
-                self._release(seq)
-                return True
-        for seq in self.running:
-            if seq.seq_id == seq_id:
-                self.running.remove(seq)
-                self._release(seq)
-                return True
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self._release(seq)
+                    return True
         return False
 
     @property
@@ -133,6 +171,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """The next step's plan (None: nothing to run)."""
         budget = self.config.max_num_batched_tokens
+        chunks = self.config.max_prefill_seqs
         work: list[RowWork] = []
         planned: list[Sequence] = []
         for seq in list(self.running):  # decode rows first
@@ -145,12 +184,15 @@ class Scheduler:
             budget -= 1
         for seq in [s for s in self.running if s.computed < len(s.tokens) - 1]:
             n = self._chunk(seq)
-            if n > budget or not self._reserve(seq, seq.computed + n, preempt=False):
+            if chunks == 0 or n > budget:
+                break
+            if not self._reserve(seq, seq.computed + n, preempt=False):
                 break
             work.append(self._work(seq, n))
             planned.append(seq)
             budget -= n
-        while self.waiting and self._free_rows and budget > 0:
+            chunks -= 1
+        while self.waiting and self._free_rows and budget > 0 and chunks > 0:
             seq = self.waiting[0]
             self._match(seq)
             n = self._chunk(seq)
@@ -159,10 +201,13 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.row = self._free_rows.pop()
+            if seq.scheduled is None:
+                seq.scheduled = time.monotonic()
             self.running.append(seq)
             work.append(self._work(seq, n, fresh=True))
             planned.append(seq)
             budget -= n
+            chunks -= 1
         self._plan = planned
         return StepPlan(tuple(work)) if work else None
 
@@ -171,17 +216,39 @@ class Scheduler:
         events = []
         for i, (seq, work) in enumerate(zip(self._plan, plan.rows, strict=True)):
             seq.computed += len(work.chunk.tokens)
-            self.pool.register(seq.pages, seq.tokens[: seq.computed])
+            self.pool.register(seq.pages, seq.tokens, seq.computed)
+            if work.prompt_next:
+                seq.prompt_entries += result.prompt_entries(i, work)
             if not work.emits:
                 continue
             token = int(result.tokens[i])
-            seq.output.append(token)
-            reason = self._finish_reason(seq, token)
+            first = not seq.output
+            seq.append(token)
+            done, error = self._advance_grammar(seq, token)
+            reason = "stop" if done else self._finish_reason(seq, token)
+            if error is not None:
+                reason = "stop"
             top: tuple[tuple[int, float], ...] = ()
             if seq.sampling.logprobs is not None:
                 pairs = zip(result.top_ids[i], result.top_logprobs[i], strict=True)
                 top = tuple((int(t), float(p)) for t, p in pairs)
-            events.append(Emitted(seq.seq_id, token, float(result.logprobs[i]), reason, top))
+            prompt = None
+            if first and seq.prompt_logprobs is not None:
+                prompt = (None, *seq.prompt_entries)
+            events.append(
+                Emitted(
+                    seq.seq_id,
+                    token,
+                    float(result.logprobs[i]),
+                    reason,
+                    top,
+                    cached_tokens=seq.cached_tokens if first else 0,
+                    prompt_logprobs=prompt,
+                    done=done,
+                    error=error,
+                    scheduled=seq.scheduled if first else None,
+                )
+            )
             if reason is not None:
                 self.running.remove(seq)
                 self._release(seq)
@@ -196,6 +263,28 @@ class Scheduler:
             return "length"
         return None
 
+    def _base(self, seq: Sequence) -> np.ndarray:
+        """allowed_token_ids' mask (every token when it has none)."""
+        return token_bitmask(seq.sampling.allowed_token_ids, self.config.vocab_size)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> tuple[bool, str | None]:
+        """(grammar complete, why it failed): its matcher takes the token, and the mask of
+        the next one is computed (an empty mask fails it too)."""
+        if seq.matcher is None:
+            return False, None
+        try:
+            if seq.matcher.advance(token):
+                return True, None
+            mask = np.empty_like(self._base(seq))
+            seq.matcher.fill_mask(mask)
+            mask &= self._base(seq)
+            if not mask.any():
+                raise ValueError("no token the request allows can come next")
+        except ValueError as exc:  # the request's constraint failed, not the core
+            return False, str(exc)
+        seq.mask = mask
+        return False, None
+
     def _chunk(self, seq: Sequence) -> int:
         """Positions of its prompt (or recomputed tokens) the next chunk covers: up to the
         next multiple of chunk_size, not past the last token it has."""
@@ -206,14 +295,23 @@ class Scheduler:
     def _work(self, seq: Sequence, n: int, fresh: bool = False) -> RowWork:
         start = seq.computed
         assert seq.row is not None
+        tokens = seq.tokens
+        prompt_next: tuple[int, ...] = ()
+        if seq.wants_prompt_logprobs:  # each position's next prompt token (-1: none)
+            prompt_next = tuple(
+                tokens[p + 1] if p + 1 < len(seq.prompt) else -1 for p in range(start, start + n)
+            )
         return RowWork(
-            chunk=Chunk(seq.tokens[start : start + n], start, tuple(seq.pages)),
+            chunk=Chunk(tokens[start : start + n], start, tuple(seq.pages)),
             row=seq.row,
             sampling=seq.sampling,
             generated=len(seq.output),
-            emits=start + n == len(seq.tokens),
+            emits=start + n == len(tokens),
             fresh=fresh and not seq.output,
             prior=tuple(seq.output) if fresh else (),
+            allowed=seq.mask,
+            prompt_next=prompt_next,
+            prompt_top=seq.prompt_logprobs or 0,
         )
 
     def _reserve(self, seq: Sequence, positions: int, preempt: bool) -> bool:
@@ -238,18 +336,33 @@ class Scheduler:
         self._release(seq)
         seq.computed = 0
         seq.preempted += 1
+        self.preemptions += 1
+        if seq.wants_prompt_logprobs:
+            seq.prompt_entries = []  # collected again from position 0
         self.waiting.appendleft(seq)
 
     def _match(self, seq: Sequence) -> None:
         if seq.computed == 0 and not seq.pages:
+            if seq.wants_prompt_logprobs:
+                return  # every prompt position's logits are needed: no hit may skip one
             seq.pages = self.pool.match_prefix(seq.tokens)
             seq.computed = len(seq.pages) * self.pool.page_size
             if not seq.preempted:
                 seq.cached_tokens = seq.computed
+                if self.pool.prefix_caching:
+                    self.prefix_queries += len(seq.prompt)
+                    self.prefix_hits += seq.computed
 
     def _unmatch(self, seq: Sequence) -> None:
+        """Undo `_match`: it stays waiting (its lookup counts again when it is admitted)."""
         self._release(seq)
         seq.computed = 0
+        if seq.preempted or seq.wants_prompt_logprobs:
+            return
+        if self.pool.prefix_caching:
+            self.prefix_queries -= len(seq.prompt)
+            self.prefix_hits -= seq.cached_tokens
+        seq.cached_tokens = 0
 
     def _release(self, seq: Sequence) -> None:
         if seq.pages:

@@ -14,7 +14,7 @@ from engine.attention import KVLayout, ReferenceAttention
 from engine.checkpoint import load_params
 from engine.config import load_model_config
 from engine.model import matmul_layout, prefill_forward
-from engine.paged_model import Chunk, forward, make_batch
+from engine.paged_model import Chunk, forward, head_logits, make_batch
 
 PAGE = 8
 
@@ -55,7 +55,8 @@ def test_ragged_steps_match_whole_prompt_prefill(tiny_checkpoint_of, arch: str) 
         batch = make_batch(
             chunks, tokens=32, seqs=4, pages_per_seq=6, page_size=PAGE, num_pages=layout.num_pages
         )
-        logits, pages = step(params, pages, batch, inv_freq)
+        x, pages = step(params, pages, batch, inv_freq)
+        logits = head_logits(params, x[np.asarray(batch.last)], cfg)
         for row, chunk in enumerate(chunks):
             name = "a" if chunk.pages is a_pages or chunk.pages[0] == 9 else "b"
             got[(name, chunk.start + len(chunk.tokens) - 1)] = np.asarray(logits[row])

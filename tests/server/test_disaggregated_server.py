@@ -42,6 +42,7 @@ def test_disaggregated_server_serves_drains_and_reports_the_transfer(
     base = f"http://127.0.0.1:{port}"
     env = {**_environ(), "PYTHONPATH": str(REPO_ROOT), "LLM_SERVER_API_KEY": KEY}
     flags = ["--prefill-devices", "0-1", "--generate-devices", "2-3", "--drain-timeout", "30"]
+    flags += ["--engine", "slot"]  # disaggregated serving is the slot engine's for now
     flags += ["--max-slots", "2", "--prefill-buckets", "64", "--prefill-chunk", "0"]
     flags += ["--max-prefill-batch", "1"]  # few shapes: two engines warm up
     with open(tmp_path / "server.log", "wb") as log_file:

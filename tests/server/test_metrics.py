@@ -108,9 +108,9 @@ def test_ttft_is_observed_at_the_first_token_not_at_the_end(tmp_path: Path) -> N
 
 
 def test_prefix_cache_hits_are_counted_and_change_no_greedy_text(tiny_checkpoint: Path) -> None:
-    """The same long prompt twice through a server with a prefix pool: the second finds
-    its whole blocks, /metrics counts them, and the greedy text is the same."""
-    with serve_in_thread(make_config(tiny_checkpoint, prefix_cache_blocks=32)) as live:
+    """The same long prompt twice: the second finds its whole pages in the prefix cache
+    (on by default), /metrics counts them, and the greedy text is the same."""
+    with serve_in_thread(make_config(tiny_checkpoint)) as live:
         prompt = [5 + (7 * i) % 200 for i in range(70)]  # 4 whole blocks, the last kept open
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0}
         texts = []
@@ -129,8 +129,8 @@ def test_prefix_cache_hits_are_counted_and_change_no_greedy_text(tiny_checkpoint
         assert (hits, queries) == (4 * 16, 70)
         assert 0 < value(after, "llm_prefix_cache_usage_perc") <= 1
         assert value(after, "llm_kv_cache_usage_perc") == 0
-        # 32 blocks x 16 positions x K and V x 2 layers x 2 kv heads x 16 dims x 4 bytes
-        assert value(after, "llm_engine_memory_bytes", pool="prefix_cache") == 32 * 16 * 2 * (
+        # 4 sequences x 8 pages x 16 positions x K and V x 2 layers x 2 kv heads x 16 dims
+        # x 4 bytes
+        assert value(after, "llm_engine_memory_bytes", pool="kv_cache") == 32 * 16 * 2 * (
             2 * 2 * 16 * 4
         )
-        assert value(after, "llm_engine_memory_bytes", pool="decode_cache") > 0

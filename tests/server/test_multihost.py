@@ -59,6 +59,7 @@ def test_two_processes_serve_as_one(
     coordinator = f"127.0.0.1:{free_pair()}"
     http_port = free_port()
     common = ["--model", str(tiny_checkpoint), *SHAPE_FLAGS, "--tensor-parallel-size", "4"]
+    common += ["--engine", "slot"]  # multi-host serving is the slot engine's for now
     common += ["--max-slots", "2", "--prefill-buckets", "64", "--prefill-chunk", "0"]
     common += ["--max-prefill-batch", "1"]  # few shapes: each compile spans the processes
     common += ["--coordinator-address", coordinator, "--num-processes", "2"]

@@ -1,7 +1,6 @@
-"""--engine paged: the engine core over paged KV serving through a real uvicorn socket to
-the openai SDK, beside the slot engine on the same tiny checkpoint: the same greedy text,
-streamed or whole, n samples, logprobs and stop strings; what it cannot do yet is a 400
-naming it, never a silent 200."""
+"""The engine core over paged KV (the default engine, in its own process) through a real
+uvicorn socket to the openai SDK, beside the slot engine on the same tiny checkpoint: the
+same greedy text, streamed or whole, n samples, logprobs and stop strings."""
 
 from __future__ import annotations
 
@@ -22,16 +21,22 @@ def paged(tiny_checkpoint) -> Iterator[LiveServer]:  # type: ignore[no-untyped-d
         yield server
 
 
+@pytest.fixture(scope="module")
+def slot(tiny_checkpoint) -> Iterator[LiveServer]:  # type: ignore[no-untyped-def]
+    with serve_in_thread(make_config(tiny_checkpoint, engine="slot")) as server:
+        yield server
+
+
 def client_of(server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
 
 
-def test_greedy_text_matches_the_slot_engine(paged: LiveServer, live: LiveServer) -> None:
-    ours, slot = client_of(paged), client_of(live)
+def test_greedy_text_matches_the_slot_engine(paged: LiveServer, slot: LiveServer) -> None:
+    ours, slot_client = client_of(paged), client_of(slot)
     for prompt in PROMPTS:
         args = dict(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
         got = ours.completions.create(**args)  # type: ignore[call-overload]
-        want = slot.completions.create(**args)  # type: ignore[call-overload]
+        want = slot_client.completions.create(**args)  # type: ignore[call-overload]
         assert got.choices[0].text == want.choices[0].text, prompt
         assert got.choices[0].finish_reason == want.choices[0].finish_reason
         assert got.usage == want.usage
@@ -68,17 +73,3 @@ def test_stop_string_ends_the_sample(paged: LiveServer) -> None:
     assert cut.choices[0].finish_reason == "stop"
     assert stop not in cut.choices[0].text
     assert free.choices[0].text.startswith(cut.choices[0].text)
-
-
-def test_what_it_cannot_do_yet_is_a_400_naming_it(paged: LiveServer) -> None:
-    client = client_of(paged)
-    with pytest.raises(openai.BadRequestError, match="structured outputs"):
-        client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=8,
-            response_format={"type": "json_object"},
-        )
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, echo=True,
-                                  logprobs=1)  # fmt: skip

@@ -244,7 +244,7 @@ def test_sigterm_during_warm_up_drains_and_exits_zero(
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while "engine ready" not in log_path.read_text(errors="replace"):
+        while "engine core:" not in log_path.read_text(errors="replace"):
             assert proc.poll() is None, "server exited during start-up"
             assert time.monotonic() < deadline, "the engine was never built"
             time.sleep(0.05)

@@ -6,6 +6,7 @@ being preempted; seeded sampling likewise."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -113,3 +114,107 @@ def test_stop_tokens_max_tokens_and_abort(folder) -> None:  # type: ignore[no-un
     core.step()
     assert core.abort("gone") and not core.abort("gone")
     assert core.page_stats().free == core.page_stats().total
+
+
+def whole_prompt_logprobs(folder, prompt: list[int]) -> np.ndarray:  # type: ignore[no-untyped-def]
+    cfg = load_model_config(folder)
+    params = matmul_layout(load_params(folder, cfg, "float32"))
+    ids = np.asarray(prompt, np.int32)
+    logits, _, _ = prefill_forward(params, ids, len(ids), cfg.rope_inv_freq(), cfg, True)
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+
+def test_prompt_logprobs_in_chunks_beside_decode_rows(folder) -> None:  # type: ignore[no-untyped-def]
+    core = make(folder)
+    ps = prompts(core.model_config.vocab_size)
+    long = ps[4]  # 64 tokens: four chunks of 16
+    seqs = seqs_of(ps[:2], GREEDY, 12) + [Sequence("lp", tuple(long), GREEDY, 2, prompt_logprobs=3)]
+    events = run(core, seqs)["lp"]
+    entries = events[0].prompt_logprobs
+    assert entries is not None and events[1].prompt_logprobs is None
+    assert len(entries) == len(long) and entries[0] is None
+    want = whole_prompt_logprobs(folder, long)
+    for p, entry in enumerate(entries[1:], start=1):
+        assert entry is not None and entry.token_id == long[p]
+        np.testing.assert_allclose(entry.logprob, want[p - 1, long[p]], rtol=1e-4, atol=1e-4)
+        best = np.argsort(-want[p - 1])[:3]
+        assert [t for t, _ in entry.top] == best.tolist(), p
+    # a prompt-logprobs sequence takes nothing from the prefix cache: every position is run
+    again = Sequence("again", tuple(long), GREEDY, 2, prompt_logprobs=0)
+    (first, *_) = run(core, [again])["again"]
+    assert again.cached_tokens == 0 and first.prompt_logprobs is not None
+    assert [e.token_id for e in first.prompt_logprobs[1:]] == long[1:]  # type: ignore[union-attr]
+
+
+class Only:
+    """A constraint that allows `allowed` tokens and is complete after `length` of them."""
+
+    def __init__(self, allowed: list[int], length: int, vocab: int) -> None:
+        from engine.sampling import token_bitmask
+
+        self.mask = token_bitmask(allowed, vocab)
+        self.length = length
+        self.spec = ("regex", "test")
+
+    def initial_mask(self) -> np.ndarray:
+        return self.mask
+
+    def matcher(self) -> OnlyMatcher:
+        return OnlyMatcher(self)
+
+
+class OnlyMatcher:
+    def __init__(self, constraint: Only) -> None:
+        self.constraint = constraint
+        self.taken = 0
+
+    def advance(self, token_id: int) -> bool:
+        bits = np.unpackbits(self.constraint.mask.view(np.uint8), bitorder="little")
+        if not bits[token_id]:
+            raise ValueError(f"token {token_id} is not allowed")
+        self.taken += 1
+        return self.taken >= self.constraint.length
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        out[:] = self.constraint.mask
+
+
+def test_a_grammar_masks_every_token_and_ends_the_sample(folder) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    core = make(folder)
+    vocab = core.model_config.vocab_size
+    ps = prompts(vocab)
+    constrained = replace(SEEDED, constraint=Only([11, 12, 13], 5, vocab))
+    seqs = seqs_of(ps[:3], GREEDY, 8) + [Sequence("g", tuple(ps[3]), constrained, 50)]
+    events = run(core, seqs)
+    tokens = [e.token for e in events["g"]]
+    assert len(tokens) == 5 and set(tokens) <= {11, 12, 13}
+    assert events["g"][-1].done and events["g"][-1].finish_reason == "stop"
+    # the unconstrained neighbours are as they are alone
+    assert tokens_of(events)["s0"] == tokens_of(run(make(folder), seqs_of(ps[:1], GREEDY, 8)))["s0"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_gives_the_tokens_of_one_device(folder, tp: int) -> None:  # type: ignore[no-untyped-def]
+    ps = prompts(load_model_config(folder).vocab_size)
+    for sampling in (GREEDY, SEEDED):
+        one = tokens_of(run(make(folder), seqs_of(ps, sampling, 6)))
+        split = make(folder, tensor_parallel_size=tp)
+        assert split.runner.pages[0].sharding.spec[2] == "model"  # kv heads over the mesh
+        assert tokens_of(run(split, seqs_of(ps, sampling, 6))) == one, (sampling, tp)
+
+
+def test_a_step_takes_at_most_max_prefill_seqs_prompt_chunks(folder) -> None:  # type: ignore[no-untyped-def]
+    core = make(folder, max_prefill_seqs=2, max_num_batched_tokens=64)
+    ps = prompts(core.model_config.vocab_size)
+    for seq in seqs_of(ps, GREEDY, 3):
+        core.add(seq)
+    widest = 0
+    while core.scheduler.busy:
+        plan = core.scheduler.schedule()
+        assert plan is not None
+        chunks = [r for r in plan.rows if len(r.chunk.tokens) > 1 or not r.emits]
+        widest = max(widest, len(chunks))
+        core.scheduler.update(plan, core.runner.step(plan))
+    assert widest == 2

@@ -1,0 +1,180 @@
+"""The engine core's loop: messages in, one step, outputs out, until told to stop.
+
+Runs on: the core process's main thread, the only thread that touches the EngineCore
+(scheduler and runner). Owns: the open requests' sample count and the grammar compiler
+of structured outputs (constraints arrive as specs and are compiled here, where the
+masks are needed). Receives `AddRequest`, `Abort` and `Stop` (engine.core.messages) from
+`receive`; emits one `Outputs` per step that sampled anything through `send`.
+
+Each iteration takes every message waiting (blocking only when nothing runs), then runs
+one step. A request the core cannot take (its grammar fails to compile, its prompt does
+not fit) comes back in `Outputs.rejected`; a failure of the loop itself propagates (the
+process reports it and exits non-zero).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from engine.core.core import EngineCore
+from engine.core.messages import (
+    Abort,
+    AddRequest,
+    FromCore,
+    Outputs,
+    Stats,
+    Stop,
+    ToCore,
+    TokenOut,
+)
+from engine.core.scheduler import Emitted, Sequence
+from engine.stages.faults import InjectedFault
+from engine.types import TokenConstraint, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+Receive = Callable[[bool], list[ToCore]]  # block -> the messages waiting (block: >= 1)
+Send = Callable[[FromCore], None]
+CompileGrammar = Callable[[str, str], TokenConstraint]  # (kind, text) -> constraint
+
+
+def seq_id(request_id: str, index: int) -> str:
+    return f"{index}:{request_id}"
+
+
+def parse_seq_id(seq: str) -> tuple[str, int]:
+    index, _, request_id = seq.partition(":")
+    return request_id, int(index)
+
+
+@dataclass
+class LoopCounters:
+    steps: int = 0
+
+
+class CoreLoop:
+    def __init__(
+        self,
+        core: EngineCore,
+        receive: Receive,
+        send: Send,
+        compile_grammar: CompileGrammar | None = None,
+        fail_after_steps: int | None = None,
+    ) -> None:
+        self._core = core
+        self._receive = receive
+        self._send = send
+        self._compile_grammar = compile_grammar
+        self._fail_after = fail_after_steps  # test hook: the loop raises after this many steps
+        self._open: dict[str, int] = {}  # request id -> samples not yet ended
+        self.counters = LoopCounters()
+        self._stopping = False
+
+    def run(self) -> None:
+        while not self._stopping:
+            rejected = []
+            messages = self._receive(not self._core.scheduler.busy)
+            for message in messages:
+                why = self._handle(message)
+                if why is not None:
+                    rejected.append(why)
+            events = self._core.step() if not self._stopping else []
+            if events:
+                self.counters.steps += 1
+                if self._fail_after is not None and self.counters.steps > self._fail_after:
+                    raise InjectedFault(f"fault injected after {self._fail_after} steps")
+            if events or messages:  # the gauges change with every message too (aborts)
+                tokens = tuple(self._out(e) for e in events)
+                self._send(Outputs(tokens, self.stats(), tuple(rejected)))
+
+    def stats(self) -> Stats:
+        scheduler = self._core.scheduler
+        pages = scheduler.pool.stats()
+        return Stats(
+            waiting=len(scheduler.waiting),
+            running=len(scheduler.running),
+            pages_total=pages.total,
+            pages_free=pages.free,
+            pages_cached=pages.cached,
+            steps=self.counters.steps,
+            prefix_queries=scheduler.prefix_queries,
+            prefix_hits=scheduler.prefix_hits,
+            preemptions=scheduler.preemptions,
+        )
+
+    def _handle(self, message: ToCore) -> tuple[str, str] | None:
+        if isinstance(message, Stop):
+            self._stopping = True
+        elif isinstance(message, Abort):
+            for request_id, index in message.samples:
+                if self._core.abort(seq_id(request_id, index)):
+                    self._ended(request_id)
+        elif isinstance(message, AddRequest):
+            try:
+                self._add(message)
+            except ValueError as exc:  # this request's data; the core goes on
+                return message.request_id, str(exc)
+        return None
+
+    def _add(self, request: AddRequest) -> None:
+        constraint = None
+        if request.grammar is not None:
+            if self._compile_grammar is None:
+                raise ValueError("structured outputs are not available on this engine")
+            constraint = self._compile_grammar(request.grammar.kind, request.grammar.text)
+        stop = frozenset(request.stop_token_ids)
+        seqs = []
+        for index, sample in enumerate(request.samples):
+            sampling = sample.params()
+            if constraint is not None:
+                sampling = replace(sampling, constraint=constraint)
+            sampling.check_vocab(self._core.model_config.vocab_size)
+            seqs.append(
+                Sequence(
+                    seq_id(request.request_id, index),
+                    request.prompt,
+                    sampling,
+                    request.max_tokens,
+                    stop_token_ids=stop,
+                    prompt_logprobs=request.prompt_logprobs,
+                )
+            )
+        for seq in seqs:
+            self._core.add(seq)
+        self._open[request.request_id] = len(seqs)
+
+    def _ended(self, request_id: str) -> None:
+        left = self._open.get(request_id, 0) - 1
+        if left <= 0:
+            self._open.pop(request_id, None)
+        else:
+            self._open[request_id] = left
+
+    def _out(self, event: Emitted) -> TokenOut:
+        request_id, index = parse_seq_id(event.seq_id)
+        if event.finish_reason is not None or event.error is not None:
+            self._ended(request_id)
+        prompt = None
+        if event.prompt_logprobs is not None:
+            prompt = tuple(_entry(e) for e in event.prompt_logprobs)
+        return TokenOut(
+            request_id=request_id,
+            index=index,
+            token=event.token,
+            logprob=event.logprob,
+            top=event.top,
+            finish=event.finish_reason,
+            done=event.done,
+            error=event.error,
+            cached_tokens=event.cached_tokens,
+            prompt_logprobs=prompt,
+            scheduled=event.scheduled or 0.0,
+        )
+
+
+def _entry(
+    entry: TokenLogprobs | None,
+) -> tuple[int, float, tuple[tuple[int, float], ...]] | None:
+    return None if entry is None else (entry.token_id, entry.logprob, entry.top)
