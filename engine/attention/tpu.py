@@ -29,7 +29,7 @@ from jax.sharding import Mesh, PartitionSpec
 from engine.attention.layout import AttentionBatch, KVLayout
 
 KV_BLOCK_TOKENS = 512  # positions per fetched block of pages
-QUERIES_PER_BLOCK = 32
+QUERIES_PER_BLOCK = 128  # a prompt chunk reads its KV once per block of queries
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024  # of v5e's and v6e's 128 MiB; the default 16 MiB is short
 MODEL_AXIS = "model"
 
