@@ -96,6 +96,9 @@ class EngineClient:
         log_level: int = logging.INFO,
         compile_cache_dir: str | None = None,
         fail_after_steps: int | None = None,
+        num_processes: int = 1,
+        coordinator_address: str | None = None,
+        distributed_timeout: float = 300.0,
     ) -> None:
         self._text_streams = text_streams
         self._eos = frozenset(eos_token_ids)
@@ -109,6 +112,9 @@ class EngineClient:
             log_level=log_level,
             compile_cache_dir=compile_cache_dir,
             fail_after_steps=fail_after_steps,
+            num_processes=num_processes,  # multi-host: the core leads (engine.multihost)
+            coordinator_address=coordinator_address,
+            distributed_timeout=distributed_timeout,
         )
         self._context = zmq.Context()
         self._requests = self._context.socket(zmq.PUSH)

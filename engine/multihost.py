@@ -1,62 +1,230 @@
-"""Multi-host serving: one SPMD program over several processes, process 0 leading.
+"""Multi-host serving of the engine core: one SPMD program over several processes.
 
-JAX is multi-controller: every process runs the same jitted computations on the
-global mesh, in the same order (their collectives meet across hosts). Process 0
-runs the HTTP server and the orchestrator; its stages call the engine from two
-threads. `LeaderEngine` makes each device-touching call atomic under one lock
-and, before making it, sends it (the method and its host arguments) to every
-follower, so the order in which process 0 dispatches is the order every
-follower replays (`follow`). Prefixes cross as handles: each follower keeps its
-own copy of every prefix it computed, under the number process 0 gave it.
-Only process 0 reads results; a follower never decides anything.
+JAX is multi-controller: every process runs the same jitted programs on the global mesh,
+in the same order (their collectives meet across hosts). Process 0's engine core decides
+everything: its scheduler plans each step, and the step's device work is one host-only
+`StepCall` (engine.core.runner) that `Leader` sends to every follower before process 0
+dispatches it (`Runner.mirror`), warm-up included. A follower (`follow`) builds the same
+EngineCore from the config process 0 sends first, at the same time as process 0 (placing
+arrays on the global mesh is collective), with the page count process 0 decides while
+building (so shapes cannot differ); then it executes each call as it arrives, in order,
+waiting for each to finish (nothing queues without bound); it never reads a result.
 
-The command channel is plain JSON lines over TCP (no pickle: a message can
-only name an engine method and give it numbers), from process 0's port
-(coordinator port + 1) to the followers, which connect out to it. Process 0
-listens only until every follower has joined, before jax.distributed starts,
-so a process that cannot be reached is a clear error within the timeout
-(jax.distributed itself aborts the process with a stack trace).
+Runs on: process 0's engine core process (`Leader`, from engine.core.process) and each
+follower's main thread (`follow`, from server.__main__). Owns: the command channel (TCP
+from process 0's port, the coordinator's plus one; followers connect out to it), its wire
+format, and joining and leaving jax.distributed. A follower receives `Setup`, `Pages`,
+then `Step`s, then `Stop`; process 0 receives one `Hello` from each follower at start-up.
 
-A long prompt's chunks do not let decode steps through here (every call is
-atomic, so a prefill holds the steps until it ends): multi-host trades that
-for the model's size. Disaggregated mode is not combined with it.
+The wire: each message one msgpack frame (msgspec, decoded against its declared type)
+after a 4-byte big-endian length; arrays travel as (dtype, shape, bytes). No pickle: a
+frame can only be one of these messages, and a malformed one is a `ChannelError`, never
+an object. Process 0 listens only until every follower has joined, before jax.distributed
+starts, so a process that cannot be reached is a clear error within the timeout
+(jax.distributed itself would abort the process with a stack trace). Disaggregated mode
+is not combined with it.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
 import logging
+import math
 import socket
-import threading
+import struct
 import time
-import weakref
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Annotated, Any, TypeVar
 
 import jax
+import msgspec
 import numpy as np
 
-from engine.types import EngineProtocol, Prefix, SamplingParams
+from engine.attention import AttentionBatch
+from engine.core.core import CoreConfig, EngineCore
+from engine.core.runner import StepCall
+from engine.paged_model import StepBatch
+from engine.sampling import SamplingArrays
 
 logger = logging.getLogger(__name__)
 
-# Engine calls that reach the devices, mirrored in order; everything else is host-only.
-MIRRORED = (
-    "init_state",
-    "prefill",
-    "prefill_batch",
-    "resample",
-    "insert",
-    "generate",
-    "free",
-    "set_masks",
-)
-_STATE_OPS = ("init_state", "insert", "generate", "free", "set_masks")
-REQUEST_ERRORS = (ValueError, OverflowError)  # as the prefill stage counts them
 _RETRY_S = 0.2
+_HELLO_S = 2.0  # a follower says who it is as it connects; a silent peer is not one
+_LENGTH = struct.Struct("!I")
+MAX_FRAME_BYTES = 1 << 30  # far above any step's arrays: a larger length is not a frame
+_DTYPE_KINDS = "biuf"  # bool, signed and unsigned ints, floats: all a step's arrays hold
+_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(StepBatch) if f.name != "attention")
+_ATTENTION_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionBatch))
+_SAMPLING_FIELDS = SamplingArrays._fields
+_CORE_FIELDS = frozenset(f.name for f in dataclasses.fields(CoreConfig))
+
+
+class ChannelError(ValueError):
+    """A frame that is not one of the channel's messages, or a channel cut inside one."""
+
+
+# --- the wire format ----------------------------------------------------------------
+
+
+class Array(msgspec.Struct, frozen=True, array_like=True):
+    """A numpy array's exact bits; checked whole on arrival (a bad one never decodes)."""
+
+    dtype: str  # numpy's dtype.str: "<i4", "|b1", "<f4", "<u4"
+    shape: tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError as exc:
+            raise ValueError(f"unknown dtype {self.dtype!r}") from exc
+        if dtype.kind not in _DTYPE_KINDS:
+            raise ValueError(f"dtype {self.dtype!r} is not a number type")
+        if len(self.data) != math.prod(self.shape) * dtype.itemsize:
+            raise ValueError(f"{len(self.data)} bytes for a {self.dtype} array of {self.shape}")
+
+    @classmethod
+    def of(cls, value: Any) -> Array:
+        array = np.ascontiguousarray(value)
+        return cls(array.dtype.str, array.shape, array.tobytes())
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, np.dtype(self.dtype)).reshape(self.shape)
+
+
+class Hello(msgspec.Struct, frozen=True, tag=True):
+    """A follower's first frame: who it is."""
+
+    process_id: int
+
+
+class Setup(msgspec.Struct, frozen=True, tag=True):
+    """The engine core every follower builds: process 0's CoreConfig, field by field."""
+
+    core: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        unknown = set(self.core) - _CORE_FIELDS
+        if unknown:
+            raise ValueError(f"unknown core config fields {sorted(unknown)}")
+
+
+class Pages(msgspec.Struct, frozen=True, tag=True):
+    """The KV cache's page count, as process 0 decided it while building its core."""
+
+    num_pages: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class Step(msgspec.Struct, frozen=True, tag=True):
+    """One StepCall, every array as process 0 built it."""
+
+    batch: dict[str, Array]  # StepBatch's arrays but attention
+    attention: dict[str, Array]  # AttentionBatch's
+    rows: Array
+    emits: Array
+    fresh: Array
+    sampling: dict[str, Array]  # SamplingArrays'
+    generated: Array
+    recount: tuple[tuple[int, Array], ...]
+    following: Array | None
+
+    def __post_init__(self) -> None:
+        for name, got, want in (
+            ("batch", self.batch, _BATCH_FIELDS),
+            ("attention", self.attention, _ATTENTION_FIELDS),
+            ("sampling", self.sampling, _SAMPLING_FIELDS),
+        ):
+            if set(got) != set(want):
+                raise ValueError(f"{name} has fields {sorted(got)}, not {sorted(want)}")
+
+    @classmethod
+    def of(cls, call: StepCall) -> Step:
+        batch = call.batch
+        return cls(
+            batch=_wire(batch, _BATCH_FIELDS),
+            attention=_wire(batch.attention, _ATTENTION_FIELDS),
+            rows=Array.of(call.rows),
+            emits=Array.of(call.emits),
+            fresh=Array.of(call.fresh),
+            sampling=_wire(call.sampling, _SAMPLING_FIELDS),
+            generated=Array.of(call.generated),
+            recount=tuple((row, Array.of(ids)) for row, ids in call.recount),
+            following=None if call.following is None else Array.of(call.following),
+        )
+
+    def call(self) -> StepCall:
+        attention = AttentionBatch(**_arrays(self.attention))
+        batch = StepBatch(**_arrays(self.batch), attention=attention)
+        return StepCall(
+            batch=batch,
+            rows=self.rows.array(),
+            emits=self.emits.array(),
+            fresh=self.fresh.array(),
+            sampling=SamplingArrays(**_arrays(self.sampling)),
+            generated=self.generated.array(),
+            recount=tuple((row, ids.array()) for row, ids in self.recount),
+            following=None if self.following is None else self.following.array(),
+        )
+
+
+class Stop(msgspec.Struct, frozen=True, tag=True):
+    """Process 0's core has stopped: leave jax.distributed with it and exit."""
+
+
+ToFollower = Setup | Pages | Step | Stop
+
+_encoder = msgspec.msgpack.Encoder()
+_to_follower = msgspec.msgpack.Decoder(ToFollower)
+_hello = msgspec.msgpack.Decoder(Hello)
+_Message = TypeVar("_Message")
+
+
+def _wire(value: Any, names: tuple[str, ...]) -> dict[str, Array]:
+    return {name: Array.of(getattr(value, name)) for name in names}
+
+
+def _arrays(wire: dict[str, Array]) -> dict[str, Any]:
+    return {name: array.array() for name, array in wire.items()}
+
+
+def frame(message: Hello | ToFollower) -> bytes:
+    """A message as it goes on the channel: its length, then its msgpack."""
+    payload = _encoder.encode(message)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def read_frame(stream: IO[bytes]) -> bytes | None:
+    """The next frame's payload; None when the channel closed cleanly between frames."""
+    header = stream.read(_LENGTH.size)
+    if not header:
+        return None
+    if len(header) < _LENGTH.size:
+        raise ChannelError("the channel closed inside a frame's length")
+    (size,) = _LENGTH.unpack(header)
+    if size > MAX_FRAME_BYTES:
+        raise ChannelError(f"a frame of {size} bytes (at most {MAX_FRAME_BYTES})")
+    payload = stream.read(size)
+    if len(payload) < size:
+        raise ChannelError(f"the channel closed {len(payload)} bytes into a {size}-byte frame")
+    return payload
+
+
+def _read(stream: IO[bytes], decoder: msgspec.msgpack.Decoder[_Message]) -> _Message | None:
+    payload = read_frame(stream)
+    if payload is None:
+        return None
+    try:
+        return decoder.decode(payload)
+    except msgspec.DecodeError as exc:  # ValidationError too: fields and arrays checked
+        raise ChannelError(f"a malformed message: {exc}") from exc
+
+
+def receive(stream: IO[bytes]) -> ToFollower | None:
+    """A follower's next message from process 0; None once process 0 has closed."""
+    return _read(stream, _to_follower)
+
+
+# --- start-up and leaving -------------------------------------------------------------
 
 
 def channel_address(coordinator: str) -> tuple[str, int]:
@@ -65,9 +233,6 @@ def channel_address(coordinator: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"coordinator_address must be host:port, got {coordinator!r}")
     return host.strip("[]"), int(port) + 1
-
-
-# --- start-up ----------------------------------------------------------------------
 
 
 def lead(coordinator: str, followers: int, timeout: float) -> list[socket.socket]:
@@ -89,17 +254,26 @@ def lead(coordinator: str, followers: int, timeout: float) -> list[socket.socket
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
-            conn.settimeout(timeout)
-            hello = json.loads(conn.makefile("r").readline() or "{}")
-            pid = hello.get("process_id")
-            if not isinstance(pid, int) or not 0 < pid <= followers or pid in joined:
+            pid = _hello_of(conn, min(_HELLO_S, max(_RETRY_S, deadline - time.monotonic())))
+            if pid is None or not 0 < pid <= followers or pid in joined:
                 conn.close()  # not one of ours
                 continue
-            conn.settimeout(None)
             joined[pid] = conn
     finally:
         server.close()  # nobody else may join later
     return [joined[pid] for pid in sorted(joined)]
+
+
+def _hello_of(conn: socket.socket, timeout: float) -> int | None:
+    """The process id a new connection says it is; None if it says nothing we can read."""
+    conn.settimeout(timeout)
+    try:
+        with conn.makefile("rb") as stream:
+            hello = _read(stream, _hello)
+    except (OSError, ChannelError):
+        return None
+    conn.settimeout(None)
+    return None if hello is None else hello.process_id
 
 
 def join(coordinator: str, process_id: int, timeout: float) -> socket.socket:
@@ -118,7 +292,7 @@ def join(coordinator: str, process_id: int, timeout: float) -> socket.socket:
                 ) from exc
             time.sleep(_RETRY_S)
     conn.settimeout(None)
-    conn.sendall(json.dumps({"process_id": process_id}).encode() + b"\n")
+    conn.sendall(frame(Hello(process_id)))
     return conn
 
 
@@ -132,225 +306,120 @@ def initialize(coordinator: str, num_processes: int, process_id: int, timeout: f
         process_id=process_id,
         initialization_timeout=int(max(1, timeout)),
     )
+    # every process's backend starts at once (they exchange their devices): now, not when
+    # a follower's core is built, which waits on process 0's Setup
+    jax.devices()
 
 
-# --- the wire format ----------------------------------------------------------------
+def leave() -> None:
+    """Every process leaves jax.distributed together (a barrier): one that just exits makes
+    the others' distributed runtime abort them."""
+    try:
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 - leaving anyway; say why
+        logger.warning("leaving jax.distributed failed", exc_info=True)
 
 
-class _FixedMask:
-    """A follower's stand-in for a request's constraint: only its first mask is needed."""
-
-    def __init__(self, words: np.ndarray):
-        self._words = words
-
-    def initial_mask(self) -> np.ndarray:
-        return self._words
-
-    def matcher(self) -> Any:
-        raise RuntimeError("followers never match grammars: process 0 does")
+# --- process 0 ------------------------------------------------------------------------
 
 
-class _StateMarker:
-    """Where the decode state goes in a call: each process passes its own."""
+class Leader:
+    """Process 0's end of the channel: one socket per follower, in process id order.
 
-
-_STATE = _StateMarker()
-
-
-def _encode(value: Any, handles: Callable[[Prefix], int]) -> Any:
-    if value is _STATE:
-        return {"state": True}
-    if isinstance(value, Prefix):
-        return {"prefix": handles(value)}
-    if isinstance(value, SamplingParams):
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        constraint = fields.pop("constraint", None)
-        if constraint is not None:
-            fields["initial_mask"] = _array(np.asarray(constraint.initial_mask()))
-        return {"sampling": _encode(fields, handles)}
-    if isinstance(value, np.ndarray | np.generic):
-        return _array(np.asarray(value))
-    if isinstance(value, dict):
-        return {"dict": {k: _encode(v, handles) for k, v in value.items()}}
-    if isinstance(value, list | tuple):
-        return [_encode(v, handles) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    raise TypeError(f"cannot send a {type(value).__name__} to the followers")
-
-
-def _array(a: np.ndarray) -> dict[str, Any]:
-    data = base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
-    return {"array": data, "dtype": a.dtype.str, "shape": list(a.shape)}
-
-
-def _decode(value: Any, prefixes: dict[int, Prefix]) -> Any:
-    if isinstance(value, list):
-        return tuple(_decode(v, prefixes) for v in value)
-    if not isinstance(value, dict):
-        return value
-    if "prefix" in value:
-        return prefixes[value["prefix"]]
-    if "array" in value:
-        raw = base64.b64decode(value["array"])
-        return np.frombuffer(raw, np.dtype(value["dtype"])).reshape(value["shape"]).copy()
-    if "sampling" in value:
-        fields = _decode(value["sampling"], prefixes)
-        mask = fields.pop("initial_mask", None)
-        if mask is not None:
-            fields["constraint"] = _FixedMask(mask)
-        return SamplingParams(**fields)
-    return {k: _decode(v, prefixes) for k, v in value["dict"].items()}
-
-
-# --- process 0 -------------------------------------------------------------------------
-
-
-class LeaderEngine:
-    """The engine of process 0, each device call mirrored to the followers first.
-
-    Implements EngineProtocol by delegation; host-only attributes pass through.
+    Used from the core loop's thread only (build, then each step, then stop), so the
+    order of sends is the order of dispatch.
     """
 
-    def __init__(self, engine: Any, followers: Sequence[socket.socket]):
-        self._engine = engine
-        self._followers = list(followers)
-        self._lock = threading.RLock()
-        self._handles: dict[int, int] = {}  # id(prefix) -> handle, while the prefix lives
-        self._next = 0
-        self._dropped: deque[int] = deque()  # handles of prefixes gone, sent with the next call
-        self._closed = False
+    def __init__(self, followers: list[socket.socket]) -> None:
+        self._followers = followers
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    @classmethod
+    def start(cls, coordinator: str, num_processes: int, timeout: float) -> Leader:
+        """Wait for every follower to join, then jax.distributed as process 0."""
+        followers = lead(coordinator, num_processes - 1, timeout)
+        initialize(coordinator, num_processes, 0, timeout)
+        return cls(followers)
 
-    def _handle(self, prefix: Prefix) -> int:
-        return self._handles[id(prefix)]
+    def build(self, config: CoreConfig) -> EngineCore:
+        """The engine core, built with the followers building theirs; every step its runner
+        executes (warm-up first) goes to them before it runs here."""
+        if config.tensor_parallel_size != jax.device_count():
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size}: a multi-host server "
+                f"shards the model over all {jax.device_count()} devices of its "
+                f"{jax.process_count()} processes"
+            )
+        self._send(Setup(_core_fields(config)))
+        core = EngineCore(config, agree_pages=self._decide_pages)
+        core.runner.mirror = self.mirror
+        return core
 
-    def _register(self, prefix: Prefix) -> None:
-        handle = self._next
-        self._next += 1
-        self._handles[id(prefix)] = handle
-        weakref.finalize(prefix, self._forget, id(prefix), handle)
+    def _decide_pages(self, count: Callable[[], int]) -> int:
+        num_pages = count()
+        self._send(Pages(num_pages))
+        return num_pages
 
-    def _forget(self, key: int, handle: int) -> None:
-        self._handles.pop(key, None)
-        self._dropped.append(handle)  # any thread, any time: only queued here
+    def mirror(self, call: StepCall) -> None:
+        self._send(Step.of(call))
 
-    def _send(self, message: dict[str, Any]) -> None:
-        line = json.dumps(message, separators=(",", ":")).encode() + b"\n"
-        for conn in self._followers:
-            conn.sendall(line)
-
-    def _call(self, op: str, *args: Any, state_at: int | None = None, **kwargs: Any) -> Any:
-        """Mirror then make one call; args[state_at] is the decode state (each its own)."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the multi-host engine is closed")
-            dropped = [self._dropped.popleft() for _ in range(len(self._dropped))]
-            wire = [_STATE if i == state_at else a for i, a in enumerate(args)]
-            args_, kwargs_ = _encode([wire, kwargs], self._handle)
-            self._send({"op": op, "args": args_, "kwargs": kwargs_["dict"], "drop": dropped})
-            result = getattr(self._engine, op)(*args, **kwargs)
-            if op in ("prefill", "resample"):
-                self._register(result)
-            elif op == "prefill_batch":
-                for prefix in result:
-                    self._register(prefix)
-            return result
-
-    def init_state(self) -> Any:
-        return self._call("init_state")
-
-    def prefill(
-        self,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        *,
-        prompt_logprobs: int | None = None,
-        between_chunks: Callable[[], None] | None = None,
-    ) -> Prefix:
-        # between_chunks is dropped: a decode step between two chunks would be dispatched
-        # here in an order the followers cannot know
-        return self._call("prefill", list(token_ids), sampling, prompt_logprobs=prompt_logprobs)
-
-    def prefill_batch(self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]) -> Any:
-        return self._call("prefill_batch", [(list(ids), s) for ids, s in prompts])
-
-    def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
-        return self._call("resample", prefix, sampling)
-
-    def insert(self, prefix: Prefix, state: Any, slot: int) -> Any:
-        return self._call("insert", prefix, state, slot, state_at=1)
-
-    def generate(self, state: Any, batch: int | None = None) -> Any:
-        return self._call("generate", state, batch, state_at=0)
-
-    def free(self, state: Any, slot: int) -> Any:
-        return self._call("free", state, slot, state_at=0)
-
-    def set_masks(self, state: Any, slots: Any, allowed: Any) -> Any:
-        return self._call("set_masks", state, np.asarray(slots), np.asarray(allowed), state_at=0)
-
-    def receive(self, prefix: Prefix) -> Prefix:
-        raise RuntimeError("multi-host serving does not combine with disaggregated mode")
-
-    def close(self) -> None:
-        """Tell the followers to stop (after the orchestrator's last engine call)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            try:
-                self._send({"op": "stop"})
-            except OSError:
-                logger.warning("a follower was gone before the stop", exc_info=True)
-            for conn in self._followers:
-                conn.close()
-
-
-# --- the others ------------------------------------------------------------------------
-
-
-def _messages(conn: socket.socket) -> Iterator[dict[str, Any]]:
-    with conn.makefile("r", encoding="utf-8") as lines:
-        for line in lines:
-            yield json.loads(line)
-
-
-def follow(engine: EngineProtocol, conn: socket.socket) -> int:
-    """Replay process 0's engine calls until it says stop; 0 then, 1 if it went away."""
-    prefixes: dict[int, Prefix] = {}
-    state: Any = None
-    made = 0  # handles are numbered in the order process 0 made its prefixes
-    for message in _messages(conn):
-        op = message["op"]
-        if op == "stop":
-            logger.info("process 0 stopped: following ends")
-            return 0
-        for handle in message.get("drop", ()):
-            prefixes.pop(handle, None)
-        args = [state if _is_state(a) else _decode(a, prefixes) for a in message["args"]]
-        kwargs = {k: _decode(v, prefixes) for k, v in message["kwargs"].items()}
-        if op not in MIRRORED:
-            raise RuntimeError(f"process 0 sent an unknown engine call {op!r}")
+    def stop(self) -> None:
+        """After the core's last step: the followers stop, and everyone leaves together."""
         try:
-            result = getattr(engine, op)(*args, **kwargs)
-        except REQUEST_ERRORS:  # process 0 got the same error for the same request
-            logger.debug("a mirrored %s failed as on process 0", op, exc_info=True)
-            continue
-        if op in ("prefill", "resample"):
-            prefixes[made] = result
-            made += 1
-        elif op == "prefill_batch":
-            for prefix in result:
-                prefixes[made] = prefix
-                made += 1
-        elif op in _STATE_OPS:
-            state = result[0] if op == "generate" else result
-    logger.error("process 0 went away without a stop")
-    return 1
+            self._send(Stop())
+        except OSError:
+            logger.warning("a follower was gone before the stop", exc_info=True)
+        for conn in self._followers:
+            conn.close()
+        leave()
+
+    def _send(self, message: ToFollower) -> None:
+        data = frame(message)
+        for conn in self._followers:
+            conn.sendall(data)  # a slow follower holds process 0 here: the bound on queuing
 
 
-def _is_state(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("state") is True
+def _core_fields(config: CoreConfig) -> dict[str, Any]:
+    fields = dataclasses.asdict(config)
+    fields["model_path"] = str(config.model_path)
+    return fields
+
+
+def _core_config(fields: dict[str, Any]) -> CoreConfig:
+    fields = dict(fields)
+    if fields.get("devices") is not None:
+        fields["devices"] = tuple(fields["devices"])
+    return CoreConfig(**fields)
+
+
+# --- the others -----------------------------------------------------------------------
+
+
+def follow(conn: socket.socket) -> int:
+    """A follower: build process 0's core with it, then run each of its steps as it
+    arrives, in order, until it says stop. 0 then; 1 if process 0 went away first."""
+    with conn, conn.makefile("rb") as stream:
+
+        def expect(kind: type[_Message]) -> _Message:
+            message = receive(stream)
+            if not isinstance(message, kind):
+                got = "nothing more" if message is None else type(message).__name__
+                raise ChannelError(f"process 0 sent {got} where a {kind.__name__} goes")
+            return message
+
+        config = _core_config(expect(Setup).core)
+        # the pages are process 0's to count (from its devices' memory): this one is told
+        runner = EngineCore(config, agree_pages=lambda _: expect(Pages).num_pages).runner
+        logger.info("following process 0")
+        while True:
+            match receive(stream):
+                case Step() as step:
+                    launched = runner.execute(step.call())
+                    jax.block_until_ready((launched.sampled, launched.prompt))
+                case Stop():
+                    logger.info("process 0 stopped: following ends")
+                    return 0
+                case None:
+                    logger.error("process 0 went away without a stop")
+                    return 1
+                case other:
+                    raise ChannelError(f"process 0 sent a {type(other).__name__} while serving")

@@ -151,8 +151,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def build_server(config: ServerConfig, followers: Sequence[socket.socket] = ()) -> DrainingServer:
-    """The HTTP server; `followers`: multi-host, the other processes' command channels."""
+def build_server(config: ServerConfig) -> DrainingServer:
+    """The HTTP server."""
     from sse_starlette.sse import AppStatus
 
     from server.app import create_app
@@ -160,7 +160,7 @@ def build_server(config: ServerConfig, followers: Sequence[socket.socket] = ()) 
 
     # We drain streams ourselves; sse-starlette must not cut them on uvicorn's exit flag.
     AppStatus.disable_automatic_graceful_drain()
-    app = create_app(config, functools.partial(load_backend, config, followers))
+    app = create_app(config, functools.partial(load_backend, config))
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -194,20 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "port": config.port,
         },
     )
-    followers: list[socket.socket] = []
-    if config.num_processes > 1:
-        try:
-            followers, leader = _join_processes(config)
-        except (RuntimeError, ValueError) as exc:
-            logger.error("multi-host start failed: %s", exc)
-            print(f"llm-server: error: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        if leader is not None:
-            return follow_main(config, leader)
-    server = build_server(config, followers)
+    if config.num_processes > 1 and config.process_id != 0:
+        return follow_main(config)  # process 0's engine core process leads (engine.multihost)
+    server = build_server(config)
     server.run()
-    if config.num_processes > 1:
-        _leave_processes()
     code = server.runtime.exit_code or EXIT_OK
     logger.info("exiting", extra={"exit_code": code})
     if server.runtime.loading:
@@ -221,61 +211,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _join_processes(config: ServerConfig) -> tuple[list[socket.socket], socket.socket | None]:
-    """Multi-host: the command channels (process 0: to each follower; a follower: to
-    process 0), then jax.distributed over every process."""
-    from engine import multihost
-
-    assert config.coordinator_address is not None and config.process_id is not None
-    timeout = config.distributed_timeout
-    logger.info(
-        "joining a multi-host server",
-        extra={"process_id": config.process_id, "num_processes": config.num_processes},
-    )
-    address = config.coordinator_address
-    followers: list[socket.socket] = []
-    leader = None
-    if config.process_id == 0:
-        followers = multihost.lead(address, config.num_processes - 1, timeout)
-    else:
-        leader = multihost.join(address, config.process_id, timeout)
-    multihost.initialize(
-        config.coordinator_address, config.num_processes, config.process_id, timeout
-    )
-    return followers, leader
-
-
-def follow_main(config: ServerConfig, leader: socket.socket) -> int:
-    """A process other than 0: the same engine, every call as process 0 makes it; no HTTP.
+def follow_main(config: ServerConfig) -> int:
+    """A process other than 0: no HTTP; it joins process 0, then builds and runs process
+    0's engine core, every step as process 0 runs it (engine.multihost.follow).
 
     SIGTERM does not stop it: process 0 drains and then says stop (Kubernetes signals every
     pod of the group at once)."""
-    from engine.multihost import follow
-    from server.loading import build_engines
+    from engine import multihost
+    from server.loading import enable_compile_cache, model_path
 
+    address, process_id = config.coordinator_address, config.process_id
+    assert address is not None and process_id is not None  # ServerConfig checked them
+    timeout = config.distributed_timeout
+    logger.info(
+        "joining a multi-host server",
+        extra={"process_id": process_id, "num_processes": config.num_processes},
+    )
+    try:
+        leader = multihost.join(address, process_id, timeout)
+        multihost.initialize(address, config.num_processes, process_id, timeout)
+    except (RuntimeError, ValueError) as exc:
+        logger.error("multi-host start failed: %s", exc)
+        print(f"llm-server: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    # after jax.distributed, whose preemption notifier takes SIGTERM over when it starts
     signal.signal(signal.SIGTERM, lambda sig, frame: logger.info("SIGTERM: following on"))
     try:
-        _, engine = build_engines(config)
-        logger.info("following process 0")
-        code = follow(engine, leader)
+        enable_compile_cache(config)
+        model_path(config)  # the demo checkpoint, built here as process 0 builds its own
+        code = multihost.follow(leader)
     except Exception:
         logger.exception("following process 0 failed")
         code = EXIT_FAILED
     logger.info("exiting", extra={"exit_code": code})
     if code == EXIT_OK:
-        _leave_processes()
+        multihost.leave()
     return code
-
-
-def _leave_processes() -> None:
-    """Every process leaves jax.distributed together (a barrier): one that just exits makes
-    the others' distributed runtime abort them."""
-    import jax
-
-    try:
-        jax.distributed.shutdown()
-    except Exception:  # noqa: BLE001 - leaving anyway; say why
-        logger.warning("leaving jax.distributed failed", exc_info=True)
 
 
 if __name__ == "__main__":

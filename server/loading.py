@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,17 +111,13 @@ def build_engines(config: ServerConfig) -> tuple[Any, Any]:
 
 def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> Any:
     """The engine core over paged KV in its own process, warmed up, behind an EngineClient
-    (--engine paged): one tensor-parallel mesh on one host."""
+    (--engine paged): one tensor-parallel mesh, on one host or (multi-host) over every
+    process's devices, the core process leading the others (engine.multihost)."""
     from engine.client import EngineClient
     from engine.stages.faults import FaultPlan
 
-    unsupported = {
-        "prefill_devices": config.prefill_devices is not None,
-        "num_processes": config.num_processes != 1,
-    }
-    named = [name for name, used in unsupported.items() if used]
-    if named:
-        raise ValueError(f"--engine paged does not support {', '.join(named)} yet")
+    if config.prefill_devices is not None:
+        raise ValueError("--engine paged does not support prefill_devices yet")
     folder = enable_compile_cache(config)
     logger.info("compile cache: %s", folder or "off")
     fault = None if config.fault_injection is None else FaultPlan.parse(config.fault_injection)
@@ -146,18 +141,16 @@ def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> An
         log_level=logging.getLogger().getEffectiveLevel(),
         compile_cache_dir=None if folder is None else str(folder),
         fail_after_steps=None if fault is None else fault.after,
+        num_processes=config.num_processes,
+        coordinator_address=config.coordinator_address,
+        distributed_timeout=config.distributed_timeout,
     )
     client.start()
     return client
 
 
-def load_backend(config: ServerConfig, followers: Sequence[Any] = ()) -> Backend:
-    """Load, warm up and start; raises on any failure (the runtime reports it).
-
-    `followers`: multi-host, the other processes' command channels (engine.multihost);
-    every engine call is then mirrored to them.
-    """
-    from engine.multihost import LeaderEngine
+def load_backend(config: ServerConfig) -> Backend:
+    """Load, warm up and start; raises on any failure (the runtime reports it)."""
     from engine.orchestrator import Orchestrator, OrchestratorConfig
     from engine.stages.detokenize import text_streams
     from tokenization import Tokenizer
@@ -172,8 +165,6 @@ def load_backend(config: ServerConfig, followers: Sequence[Any] = ()) -> Backend
         client = load_core(config, text_streams(tokenizer.detokenizer, eos), eos)
         return Backend(tokenizer=tokenizer, orchestrator=client, limits=client.limits)
     prefill_engine, engine = build_engines(config)
-    if followers:
-        engine = LeaderEngine(engine, followers)
     eos = tokenizer.eos_token_ids | engine.eos_token_ids
     orchestrator = Orchestrator(
         engine,

@@ -11,7 +11,9 @@ from engine.core.memory (a byte budget, a page count, or what the devices have l
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +81,11 @@ class CoreConfig:
 
 
 class EngineCore:
-    def __init__(self, config: CoreConfig) -> None:
+    def __init__(
+        self, config: CoreConfig, agree_pages: Callable[[Callable[[], int]], int] | None = None
+    ) -> None:
+        """`agree_pages`: multi-host (engine.multihost), given how this process would count
+        its pages, the count every process uses (process 0 counts; the others are told)."""
         cfg = load_model_config(config.model_path)
         if config.tensor_parallel_size > 1:
             cfg = tensor_parallel(cfg, config.tensor_parallel_size)
@@ -105,7 +111,8 @@ class EngineCore:
             memory_utilization=config.memory_utilization,
             default_pages=config.max_num_seqs * -(-max_len // config.page_size),
         )
-        num_pages = pages_for_budget(budget, probe, cfg.num_layers, self.mesh)
+        count = functools.partial(pages_for_budget, budget, probe, cfg.num_layers, self.mesh)
+        num_pages = count() if agree_pages is None else agree_pages(count)
         layout = KVLayout(
             num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.dtype, fold
         )

@@ -47,6 +47,10 @@ class ProcessConfig:
     fail_after_steps: int | None = None  # test hook: the loop fails after this many steps
     structured_outputs: bool = True  # compile grammars (needs the checkpoint's tokenizer)
     extra: dict[str, Any] = field(default_factory=dict)
+    # multi-host (engine.multihost): this core is process 0 of num_processes and leads
+    num_processes: int = 1
+    coordinator_address: str | None = None
+    distributed_timeout: float = 300.0  # seconds for every process to join
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -160,7 +164,17 @@ def run(config: ProcessConfig) -> int:
         from engine.core.core import EngineCore
         from engine.core.loop import CoreLoop
 
-        core = EngineCore(_core_config(config.core))
+        leader = None
+        if config.num_processes > 1:  # this core leads the others' (engine.multihost)
+            from engine.multihost import Leader
+
+            assert config.coordinator_address is not None  # ServerConfig checked it
+            leader = Leader.start(
+                config.coordinator_address, config.num_processes, config.distributed_timeout
+            )
+            core = leader.build(_core_config(config.core))
+        else:
+            core = EngineCore(_core_config(config.core))
         core.warmup()
         grammar = None
         if config.structured_outputs:
@@ -177,6 +191,8 @@ def run(config: ProcessConfig) -> int:
             )
         )
         CoreLoop(core, channel.receive, channel.send, grammar, config.fail_after_steps).run()
+        if leader is not None:
+            leader.stop()
     except SystemExit as exc:
         logger.warning("engine core exiting: %s", exc)
         return 1
