@@ -1,14 +1,15 @@
-"""Engine-only limit: output tokens/s of the jitted generate loop with every slot busy.
+"""Engine-only limit: output tokens/s of the engine core's steps with every row decoding.
 
 Run: `python -m bench.engine_limit --model DIR --slots 32 --max-model-len 1024 \
 --prompt-len 128 --steps 128` prints one JSON object.
 
-No server, no orchestrator, no tokenizer: every slot is filled with one
-`prompt-len` prefill, then `steps` generate calls are dispatched back to back
-and waited for once at the end (the loop the orchestrator runs, minus its
-hand-offs). The contexts grow from prompt-len as a serving run's do. The
-figure is the median of `rounds` such runs. The serving runner starts this in
-its own process, before and after the servers, so the two never share cores.
+No server, no client, no tokenizer: an EngineCore in this process, `slots` sequences of
+one `prompt-len` prompt added at once and stepped until every one decodes (the prefix
+cache makes every prompt after the first a hit), then `steps` more steps timed (the
+scheduler's plan, the runner's step and its host copy: the loop the core process runs,
+minus its sockets). The contexts grow from prompt-len as a serving run's do. The figure
+is the median of `rounds` such runs. The serving runner starts this in its own process,
+before and after the servers, so the two never share cores.
 """
 
 from __future__ import annotations
@@ -26,36 +27,36 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def engine_tok_s(
     model: str, slots: int, max_model_len: int, prompt_len: int, steps: int, rounds: int, dtype: str
 ) -> dict[str, Any]:
-    import jax
-
-    from engine.engine import Engine, EngineConfig
+    from engine.core.core import CoreConfig, EngineCore
+    from engine.core.scheduler import Sequence
     from engine.types import SamplingParams
 
-    if prompt_len + steps + 1 > max_model_len:
+    if prompt_len + steps + 2 > max_model_len:
         raise ValueError(f"prompt_len + steps must fit max_model_len ({max_model_len})")
-    bucket = 16
-    while bucket < prompt_len:
-        bucket *= 2
-    engine = Engine(
-        EngineConfig(
-            model_path=model, dtype=dtype, max_slots=slots, max_model_len=max_model_len,
-            prefill_buckets=(min(bucket, max_model_len - 1),),
+    core = EngineCore(
+        CoreConfig(
+            model_path=model, dtype=dtype, max_num_seqs=slots, max_model_len=max_model_len,
+            max_num_batched_tokens=max(256, slots), chunk_size=256,
         )
     )  # fmt: skip
+    core.warmup()
     greedy = SamplingParams(temperature=0.0, seed=0)
-    prompt = [(7 * i + 3) % engine.vocab_size for i in range(prompt_len)]
-    prefix = engine.prefill(prompt, greedy)
+    vocab = core.model_config.vocab_size
+    prompt = tuple((7 * i + 3) % vocab for i in range(prompt_len))
     rates = []
-    for _ in range(rounds + 1):  # the first round compiles and warms caches
-        state = engine.init_state()
-        for slot in range(slots):
-            state = engine.insert(prefix, state, slot)
-        jax.block_until_ready(state)
+    for r in range(rounds + 1):  # the first round warms the caches
+        for i in range(slots):
+            core.add(Sequence(f"{r}-{i}", prompt, greedy, steps + 2))
+        while any(s.computed < len(s.tokens) - 1 for s in core.scheduler.running) or (
+            core.scheduler.waiting
+        ):
+            core.step()  # every prompt in, every row decoding
         started = time.perf_counter()
         for _ in range(steps):
-            state, out = engine.generate(state)
-        jax.block_until_ready(out.tokens)
+            core.step()
         rates.append(slots * steps / (time.perf_counter() - started))
+        while core.scheduler.busy:
+            core.step()
     rates = rates[1:]
     return {
         "slots": slots,

@@ -17,6 +17,10 @@ For one checkpoint and one workload it measures, in this order:
      server), then a full-occupancy probe (`--max-slots` requests at once;
      output tokens/s while all of them decode);
   3. engine-only again, so drift of a shared machine shows.
+With `--alternate N` only one server is up at a time: each round starts every server in
+turn (the first one rotating), sends it every level and the probe, and stops it; levels
+pool the rounds' requests and ratios also come per round ("paired"). Use this mode
+against peers: two servers up at once measure each other's idle threads.
 With `--rounds N` (2 or more) every server is started first and kept up, and each
 round sends each level (then the probe) to every server in turn, the first one
 rotating: a slow minute of the shared machine falls on all of them alike. Levels
@@ -339,6 +343,59 @@ def run_together(
     return runs + skipped
 
 
+def run_alternating(
+    specs: list[servers.ServerSpec],
+    model: Path,
+    served_name: str,
+    workload: Workload,
+    vocab: Vocabulary,
+    text_ids: list[int] | None,
+    levels: list[int],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """--alternate N: one server up at a time. Each round starts every server in turn (the
+    first one rotating), sends it a warm-up, every level and the full-occupancy probe, and
+    stops it before the next starts, so no server's idle threads share the cores with
+    another's work. Each round has prompts of its own, the same for every server."""
+    runnable, out = [], []
+    for spec in specs:
+        reason = servers.missing(spec)
+        if reason:
+            out.append({"server": spec.name, "skipped": reason})
+        else:
+            runnable.append(spec)
+    per_level: dict[str, list[list[RunResult]]] = {s.name: [[] for _ in levels] for s in runnable}
+    probes: dict[str, list[RunResult]] = {s.name: [] for s in runnable}
+    warms: dict[str, RunResult] = {}
+    last: dict[str, servers.Running] = {}
+    for k in range(args.alternate):
+        for i in range(len(runnable)):
+            spec = runnable[(i + k) % len(runnable)]
+            try:
+                with servers.started(
+                    spec, model, served_name, args.max_slots, args.context
+                ) as running:
+                    send = sender(running, served_name, workload, vocab, text_ids, args.deadline)
+                    warms.setdefault(spec.name, send(min(4, args.max_slots), 4, 10_000 + k))
+                    for j, level in enumerate(levels):
+                        count, concurrency = level_load(workload, level, args.requests_per_level)
+                        result = send(count, concurrency, level + 100_000 * k)
+                        per_level[spec.name][j].append(result)
+                        brief = _brief(spec.name, level_summary(result, level))
+                        print(json.dumps({"round": k, **brief}), flush=True)
+                    probes[spec.name].append(send(args.max_slots, None, 20_000 + k))
+                    last[spec.name] = running
+            except (RuntimeError, TimeoutError) as exc:
+                out.append({"server": spec.name, "round": k, "skipped": f"did not start: {exc}"})
+    results = [
+        server_result(last[s.name], warms[s.name], levels, per_level[s.name], probes[s.name],
+                      args.max_slots)
+        for s in runnable
+        if s.name in last and all(len(r) == args.alternate for r in per_level[s.name])
+    ]  # fmt: skip
+    return results + out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="checkpoint folder or tiny/100m/70m-128k")
@@ -359,8 +416,14 @@ def main(argv: list[str] | None = None) -> None:
         "--rounds", type=int, default=1,
         help="2+: every server up at once, the levels sent to each in turn, round after round",
     )  # fmt: skip
+    parser.add_argument(
+        "--alternate", type=int, default=0,
+        help="N: one server up at a time, each started in turn every round, N rounds",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.alternate and args.rounds > 1:
+        parser.error("--alternate and --rounds are two ways to run rounds: give one")
 
     levels = [int(c) for c in args.concurrency.split(",")]
     model, served_name = checkpoint(args.model, args.context)
@@ -381,9 +444,11 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"engine_only_before": engine["before"]["tok_per_s"]}), flush=True)
     common = (served_name, workload, vocab, text_ids, levels, args.max_slots)
     runs: list[dict[str, Any]] = []
-    if args.rounds > 1:
+    if args.alternate:
+        runs = run_alternating(specs, model, served_name, workload, vocab, text_ids, levels, args)
+    elif args.rounds > 1:
         runs = run_together(specs, model, served_name, workload, vocab, text_ids, levels, args)
-    for spec in specs if args.rounds <= 1 else ():
+    for spec in specs if args.rounds <= 1 and not args.alternate else ():
         reason = servers.missing(spec)
         if reason:
             runs.append({"server": spec.name, "skipped": reason})

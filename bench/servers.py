@@ -32,6 +32,7 @@ class ServerSpec:
     argv: tuple[str, ...]
     ready_path: str = "/health"
     env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None  # e.g. an older checkout, whose packages `-m` then imports
 
     def command(
         self, model: Path, served_name: str, port: int, slots: int, context: int
@@ -56,7 +57,7 @@ class ServerSpec:
 def ours(dtype: str = "float32") -> ServerSpec:
     argv = (
         sys.executable, "-m", "server", "--model", "{model}", "--served-model-name", "{name}",
-        "--host", "127.0.0.1", "--port", "{port}", "--max-slots", "{slots}",
+        "--host", "127.0.0.1", "--port", "{port}", "--max-num-seqs", "{slots}",
         "--max-model-len", "{context}", "--dtype", dtype, "--log-level", "warning",
     )  # fmt: skip
     return ServerSpec("ours", argv, ready_path="/ready", env={"JAX_PLATFORMS": "cpu"})
@@ -159,6 +160,7 @@ def started(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **spec.env},
+            cwd=spec.cwd,
             start_new_session=True,  # its own process group: stop() reaches every child
         )
     running = Running(spec, f"http://127.0.0.1:{port}", process, log_path)

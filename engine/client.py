@@ -49,7 +49,6 @@ from engine.core.messages import (
     encode,
 )
 from engine.core.process import ProcessConfig
-from engine.orchestrator import OrchestratorStats
 from engine.request import (
     ActiveRequest,
     Delta,
@@ -60,8 +59,8 @@ from engine.request import (
     Unavailable,
     sample_samplings,
 )
-from engine.stages.detokenize import TextStream, TextStreamFactory
-from engine.types import CacheStats, EngineLimits, SamplingParams, TokenLogprobs
+from engine.text import TextStream, TextStreamFactory
+from engine.types import EngineLimits, EngineStats, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -280,26 +279,22 @@ class EngineClient:
             self._send(Abort(samples))
         open_.stream.close(aborted=True)
 
-    def stats(self) -> OrchestratorStats:
+    def stats(self) -> EngineStats:
         stats = self._stats
         info = self.info
-        return OrchestratorStats(
-            queued_requests=stats.waiting,
-            prefill_queue_depth=0,
-            detokenize_queue_depth=0,
-            running_requests=stats.running,  # sequences holding pages
-            slots_in_use=stats.pages_total - stats.pages_free,
-            max_slots=stats.pages_total,
+        return EngineStats(
+            waiting_requests=stats.waiting,
+            running_requests=stats.running,
+            kv_pages_used=stats.pages_total - stats.pages_free,
+            kv_pages_total=stats.pages_total,
             alive=self.alive,
             draining=self._draining,
-            generate_steps=stats.steps,
-            cache=CacheStats(
-                prefix_queries=stats.prefix_queries,
-                prefix_hits=stats.prefix_hits,
-                prefix_blocks_used=stats.pages_cached,
-                prefix_blocks=stats.pages_total,
-                kv_cache_bytes=0 if info is None else info.kv_cache_bytes,
-            ),
+            steps=stats.steps,
+            prefix_queries=stats.prefix_queries,
+            prefix_hits=stats.prefix_hits,
+            prefix_cached_pages=stats.pages_cached,
+            preemptions=stats.preemptions,
+            kv_cache_bytes=0 if info is None else info.kv_cache_bytes,
         )
 
     # -- the receiver -------------------------------------------------------------------
@@ -358,7 +353,7 @@ class EngineClient:
             with self._lock:
                 self._waiting -= 1
             if timings.first_token is None:
-                timings.prefill_start = timings.inserted = out.scheduled or now
+                timings.prefill_start = out.scheduled or now
                 timings.prefill_end = timings.first_token = now
         text = open_.texts[out.index]
         step = text.add(out.token, last=out.finish == "length", done=out.done)

@@ -50,13 +50,6 @@ class ModelConfig:
     # `kv_replicas` times when there are fewer kv heads than devices (vLLM's way).
     shards: int = 1
     kv_replicas: int = 1
-    # Decode steps' logits as (vocab, rows) products of a (vocab, hidden) head
-    # (engine.model.step_logits). Set by the engine for its backend, not read
-    # from the checkpoint.
-    vocab_major_head: bool = False
-    # Layer products of 2-63 rows as weight x rows^T (engine.model.project). Set by the
-    # engine for its backend.
-    weights_left: bool = False
 
     @property
     def q_size(self) -> int:

@@ -10,7 +10,6 @@ together (engine.config.tensor_parallel). Everything else is replicated.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +19,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine.checkpoint import load_params
 from engine.config import ModelConfig
-from engine.model import matmul_layout
 
 MODEL_AXIS = "model"
 # Axis split over "model" of each layer matrix, in the (out, in) layout.
@@ -84,42 +82,10 @@ def checkpoint_param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any
     out = param_shardings({k: v for k, v in params.items() if k != "lm_head"}, cfg, mesh)
     vocab = split(mesh, 0) if cfg.head_shards > 1 else replicated(mesh)
     out["embed"] = vocab
+    out.pop("lm_head", None)
     if "lm_head" in params:
         out["lm_head"] = vocab
     return out
-
-
-def place_params(folder: Any, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Any:
-    """The checkpoint's params on the mesh, each device's shard read straight from the files.
-
-    Shard by shard: the host holds one device's share of the weights at a time (and
-    the replicated ones), never the whole model.
-    """
-    if mesh.devices.size != cfg.shards:
-        raise ValueError(f"a mesh of {mesh.devices.size} devices for {cfg.shards} shards")
-    if cfg.shards == 1:
-        host = matmul_layout(load_params(folder, cfg, dtype), cfg.vocab_major_head)
-        return jax.device_put(host, replicated(mesh))
-    devices = list(mesh.devices.flat)
-    pieces: list[list[jax.Array]] = []
-    treedef = None
-    for shard, device in enumerate(devices):
-        if device.process_index != jax.process_index():
-            continue  # multi-host: another process reads that shard
-        host = matmul_layout(load_params(folder, cfg, dtype, shard), cfg.vocab_major_head)
-        leaves, treedef = jax.tree.flatten(host)
-        pieces.append([jax.device_put(leaf, device) for leaf in leaves])
-        del host, leaves
-    assert treedef is not None
-    shardings = jax.tree.leaves(
-        param_shardings(jax.tree.unflatten(treedef, pieces[0]), cfg, mesh),
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-    leaves = []
-    for i, sharding in enumerate(shardings):
-        parts = [local[i] for local in pieces]
-        leaves.append(_assemble(parts, sharding, len(devices)))
-    return jax.tree.unflatten(treedef, leaves)
 
 
 def place_checkpoint_params(folder: Any, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Any:
@@ -167,18 +133,6 @@ def _assemble(parts: list[jax.Array], sharding: NamedSharding, shards: int) -> j
         axis = list(spec).index(MODEL_AXIS)
         shape = tuple(n * (shards if a == axis else 1) for a, n in enumerate(parts[0].shape))
     return jax.make_array_from_single_device_arrays(shape, sharding, parts)
-
-
-def state_shardings(state: Any, mesh: Mesh) -> Any:
-    """The decode state's shardings: the cache split by kv head (axis 1), the rest copied."""
-    whole = replicated(mesh)
-    heads = split(mesh, 1)
-    out = jax.tree.map(lambda _: whole, state)
-    return dataclasses.replace(
-        out,
-        k_cache=jax.tree.map(lambda _: heads, state.k_cache),
-        v_cache=jax.tree.map(lambda _: heads, state.v_cache),
-    )
 
 
 def parse_devices(text: str) -> int | tuple[int, ...]:

@@ -114,16 +114,13 @@ class Delta:
 class RequestTimings:
     """Lifetime events of one request in time.monotonic() seconds; None until they happen.
 
-    Written by the stage that reaches the event (prefill, generate, detokenize),
-    read by anyone after the stream has ended.
+    Written by the engine client's receiver thread as the core's outputs arrive (the core
+    stamps when it first schedules the request), read by anyone after the stream ended.
     """
 
     queued: float
-    prefill_start: float | None = None
+    prefill_start: float | None = None  # the core first scheduled it
     prefill_end: float | None = None
-    transfer_start: float | None = None  # disaggregated mode: KV moved to generate devices
-    transfer_end: float | None = None
-    inserted: float | None = None  # first sample got a slot
     first_token: float | None = None
     finished: float | None = None
 
@@ -141,14 +138,12 @@ class RequestTimings:
 
     def phases(self) -> dict[str, float]:
         """Where the request's time went, in seconds, for the phases it has passed through:
-        queue, prefill, transfer (disaggregated mode only), slot (prefilled, waiting for a
-        slot), decode (first token to the last), and ttft and total from being queued.
+        queue, prefill, decode (first token to the last), and ttft and total from being
+        queued.
         DistServe's lifetime events; the Server-Timing header and /metrics read them."""
         spans = {
             "queue": (self.queued, self.prefill_start),
             "prefill": (self.prefill_start, self.prefill_end),
-            "transfer": (self.transfer_start, self.transfer_end),
-            "slot": (self.transfer_end or self.prefill_end, self.inserted),
             "ttft": (self.queued, self.first_token),
             "decode": (self.first_token, self.finished),
             "total": (self.queued, self.finished),

@@ -1,15 +1,12 @@
-"""Data that crosses the seam between the slot engine and the orchestrator.
+"""Plain data every layer of the engine shares: sampling parameters, limits, logprobs,
+structured-output constraints (as protocols), the engine's stats, and its errors.
 
-The orchestrator speaks to the engine only through `EngineProtocol`:
-`prefill` -> `insert(prefix, state, slot)` -> `generate(state)`. Everything
-here is plain data; device arrays stay device arrays until the detokenize
-stage copies them to the host, so the generate loop never waits on a copy.
+Nothing here touches a device, a thread or a socket.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -93,7 +90,7 @@ class EngineLimits:
 class ConstraintMatcher(Protocol):
     """One sample's place in its constraint (tokenization.grammar.GrammarMatcher).
 
-    Driven by one thread at a time: the generate stage's grammar worker.
+    Driven by one thread: the engine core's scheduler.
     """
 
     def advance(self, token_id: int) -> bool:
@@ -116,7 +113,7 @@ class TokenConstraint(Protocol):
         ...
 
     def initial_mask(self) -> Any:
-        """int32 words: the tokens allowed first (the one prefill samples)."""
+        """int32 words: the tokens allowed first."""
         ...
 
     def matcher(self) -> ConstraintMatcher:
@@ -126,12 +123,12 @@ class TokenConstraint(Protocol):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling, applied on device for each slot.
+    """Per-sample sampling, applied on the device for each row of a step.
 
     temperature 0 is greedy. top_k 0 (or <0) and top_p 1.0 disable those
     filters. `seed` must be set by the time the engine sees it: the key of
-    the i-th generated token is fold_in(PRNGKey(seed), i), i = 0 for the token
-    prefill samples, so a seeded request is independent of its batch.
+    the i-th generated token is fold_in(PRNGKey(seed), i), i = 0 for the first,
+    so a seeded sample is independent of its batch.
     `logprobs` None returns none; N in 0..20 returns the chosen token's
     logprob and the N most likely alternatives (of the raw, unscaled logits,
     as vLLM does).
@@ -225,150 +222,19 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass
-class Prefix:
-    """A prefilled prompt, ready to be inserted into a slot.
-
-    `token`, `logprob`, `top_ids`, `top_logprobs` describe the first generated
-    token (device scalars / vectors of length MAX_LOGPROBS). `cache` and
-    `last_logits` are engine-private. `prompt_logprobs` is filled only when
-    prefill was asked for it (echo with logprobs): one entry per prompt
-    position, the first None.
-    """
-
-    length: int
-    sampling: SamplingParams
-    token: Any
-    logprob: Any
-    top_ids: Any
-    top_logprobs: Any
-    cache: Any
-    last_logits: Any
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-
-@dataclass
-class StepOutput:
-    """One generate step for every slot, as device arrays (copy them off the generate thread).
-
-    tokens, logprobs: (slots,); top_ids, top_logprobs: (slots, MAX_LOGPROBS);
-    active: (slots,) bool, whether the slot was busy in this step (never past
-    the step's batch). A slot's entries are meaningful only while the
-    orchestrator considers it busy.
-    """
-
-    tokens: Any
-    logprobs: Any
-    top_ids: Any
-    top_logprobs: Any
-    active: Any
-
-
 @dataclass(frozen=True)
-class CacheStats:
-    """The prefix cache as metrics see it; queries and hits count prompt tokens (vLLM's)."""
+class EngineStats:
+    """A snapshot of the engine's gauges and counters; /metrics reads it at scrape time."""
 
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    prefix_blocks_used: int = 0
-    prefix_blocks: int = 0  # 0: no prefix cache
-    # Device memory each pool was given at start, in bytes; none of them ever grows.
-    decode_cache_bytes: int = 0  # every slot's KV, a whole context each
-    prefix_cache_bytes: int = 0
-    prompt_buffer_bytes: int = 0  # one long prompt's KV while it is prefilled in pieces
-    kv_cache_bytes: int = 0  # the engine core's KV pages (prefix cache included)
-
-
-class EngineProtocol(Protocol):
-    """What the orchestrator needs of an engine; a fake engine implements it too."""
-
-    max_slots: int
-    max_model_len: int
-    prefill_buckets: tuple[int, ...]
-    eos_token_ids: frozenset[int]
-
-    @property
-    def max_prompt_len(self) -> int:
-        """max_model_len - 1 when long prompts are chunked, else min(largest bucket, that)."""
-        ...
-
-    @property
-    def limits(self) -> EngineLimits:
-        """The shapes a request must fit; the one owner of the length rules."""
-        ...
-
-    def init_state(self) -> Any: ...
-
-    def cache_stats(self) -> CacheStats:
-        """A snapshot of the prefix cache's counters (any thread may ask)."""
-        ...
-
-    def prefill(
-        self,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        *,
-        prompt_logprobs: int | None = None,
-        between_chunks: Callable[[], None] | None = None,
-    ) -> Prefix:
-        """Pad to the next bucket, run the prompt, sample its first token (key index 0).
-
-        A prompt longer than the largest bucket goes in chunks, with
-        `between_chunks` called after each but the last. Raises
-        PromptTooLongError when the prompt does not fit.
-        """
-        ...
-
-    def cached_tokens(self, token_ids: Sequence[int]) -> int:
-        """Prompt tokens a prefill would now find in the prefix cache (host-only, no effect)."""
-        ...
-
-    def prefill_parts(self, token_ids: Sequence[int]) -> int:
-        """Device calls `prefill` would now make for this prompt: its chunks, or the pieces
-        after a prefix-cache hit; 1 for a prompt that fits a bucket (host-only)."""
-        ...
-
-    def batch_fits(self, lengths: Sequence[int]) -> bool:
-        """Whether prompts of these lengths can be prefilled in one `prefill_batch` call."""
-        ...
-
-    def prefill_batch(
-        self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]
-    ) -> list[Prefix]:
-        """Prefill several prompts in one call; each Prefix is the one `prefill` would give."""
-        ...
-
-    def resample(self, prefix: Prefix, sampling: SamplingParams) -> Prefix:
-        """The same prompt KV with the first token sampled anew (n > 1 samples, other seeds)."""
-        ...
-
-    def insert(self, prefix: Prefix, state: Any, slot: int) -> Any:
-        """Put a prefix into a slot; the state is donated."""
-        ...
-
-    def receive(self, prefix: Prefix) -> Prefix:
-        """A prefix another engine prefilled (disaggregated mode), on this engine's devices."""
-        ...
-
-    def close(self) -> None:
-        """No engine call follows (multi-host: the other processes are told to stop)."""
-        ...
-
-    def decode_bucket(self, busy_rows: int) -> int:
-        """The smallest batch `generate` is compiled for that covers slots 0..busy_rows-1."""
-        ...
-
-    def generate(self, state: Any, batch: int | None = None) -> tuple[Any, StepOutput]:
-        """One decode step for slots 0..batch-1 (a decode bucket; None: all slots); the state
-        is donated, other slots are left as they are. Never blocks on the host."""
-        ...
-
-    def free(self, state: Any, slot: int) -> Any:
-        """Mark a slot idle so it stops advancing."""
-        ...
-
-    def set_masks(self, state: Any, slots: Any, allowed: Any) -> Any:
-        """Write allowed-token bitmasks (structured outputs) into slots' sampling rows before
-        a step: `slots` (max_slots,) int32, padding max_slots (dropped); `allowed`
-        (max_slots, mask words) int32. The state is donated; one shape, so one compile."""
-        ...
+    waiting_requests: int  # sequences submitted and not yet scheduled (samples, not requests)
+    running_requests: int  # sequences holding KV pages
+    kv_pages_used: int  # pages some sequence holds
+    kv_pages_total: int
+    alive: bool
+    draining: bool
+    steps: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's meaning)
+    prefix_hits: int = 0  # of those, found
+    prefix_cached_pages: int = 0  # pages keeping a prefix block that no sequence holds
+    preemptions: int = 0
+    kv_cache_bytes: int = 0  # device memory of the KV pages, given once at start

@@ -1,7 +1,7 @@
 """What the server needs of the model behind it, and nothing more: the seams to engine/.
 
 The HTTP side speaks to a loaded model only through these protocols (the real
-orchestrator and tokenizer implement them, and so do the tests' fakes), so no
+engine client and tokenizer implement them, and so do the tests' fakes), so no
 handler reaches past them.
 """
 
@@ -11,9 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.orchestrator import OrchestratorStats
 from engine.request import ActiveRequest, RequestStream
-from engine.types import EngineLimits
+from engine.types import EngineLimits, EngineStats
 from tokenization.grammar import GrammarCompiler
 
 
@@ -52,8 +51,8 @@ class TokenizerClient(Protocol):
     ) -> list[int]: ...
 
 
-class OrchestratorClient(Protocol):
-    """The orchestrator operations the runtime and the request handlers use."""
+class EngineHandle(Protocol):
+    """The engine operations the runtime and the request handlers use (engine.client)."""
 
     @property
     def alive(self) -> bool: ...
@@ -66,7 +65,7 @@ class OrchestratorClient(Protocol):
 
     def stop(self) -> None: ...
 
-    def stats(self) -> OrchestratorStats: ...
+    def stats(self) -> EngineStats: ...
 
     def add_failure_listener(self, listener: Callable[[BaseException], None]) -> None: ...
 
@@ -76,8 +75,8 @@ ModelLimits = EngineLimits  # the engine publishes them; the server only asks
 
 @dataclass(frozen=True)
 class Backend:
-    """A loaded, warmed-up model behind a started orchestrator."""
+    """A loaded, warmed-up model behind a started engine."""
 
     tokenizer: TokenizerClient
-    orchestrator: OrchestratorClient
+    engine: EngineHandle
     limits: ModelLimits

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.faults import FaultPlan
 from engine.types import DTYPE_NAMES as DTYPES
 from server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -31,25 +32,21 @@ class ServerConfig:
     served_model_name: str | None = None
     host: str = "0.0.0.0"
     port: int = 8000
-    max_slots: int = 8
-    # "slot" (the slot engine and its orchestrator) or "paged" (engine.core: the engine
-    # core over paged KV, being built: no structured outputs or prompt logprobs yet)
-    engine: str = "paged"
-    max_num_batched_tokens: int = 256  # paged: tokens one step takes (decode rows + chunks)
-    page_size: int = 16  # paged: positions per KV page
-    prefix_caching: bool = True  # paged: prompts share cached leading pages (vLLM's default)
+    # The engine core (engine/core/; vLLM's names): sequences decoding at once, the tokens
+    # one step takes (every decode row plus prompt chunks), positions per prompt chunk and
+    # per KV page.
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int | None = None  # None: prefill_chunk + max_num_seqs
+    prefill_chunk: int = 256  # a multiple of page_size (rounded down to one)
+    page_size: int = 16
+    prefix_caching: bool = True  # prompts share cached leading pages (vLLM's default)
     max_model_len: int | None = None  # None: the checkpoint's (capped by the engine)
-    prefill_buckets: tuple[int, ...] | None = None  # None: powers of two up to the context
     dtype: str = "float32"
-    max_prefill_batch: int = 16  # prompts prefilled in one call (1: one at a time)
-    prefill_chunk: int = 256  # longer prompts are prefilled this many tokens a call (0: off)
-    prefix_cache_blocks: int = 0  # 16-token blocks of prompt KV kept for reuse (0: off)
-    # The KV pools' device memory cap (decode cache + prompt buffer + prefix pool), bytes;
-    # with it, prefix_cache_blocks -1 gives the prefix cache whatever the others leave.
+    # The KV cache's pages: this many bytes per device, else gpu_memory_utilization of each
+    # accelerator's memory less the params, else (XLA:CPU reports no memory) max_num_seqs
+    # whole contexts.
     kv_cache_memory_bytes: int | None = None
-    # Decode steps' logits from a (vocab, hidden) head (None: the backend's choice, on CPU
-    # in float32). engine.engine.EngineConfig.vocab_major_head.
-    vocab_major_head: bool | None = None
+    gpu_memory_utilization: float = 0.9
     max_queued_samples: int = 256  # admission bound, in samples (prompts x n), before 429
     api_key: str | None = None
     log_level: str = "info"
@@ -91,7 +88,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_slots", "max_queued_samples", "max_request_bytes", "max_prefill_batch"):
+        for name in ("max_num_seqs", "max_queued_samples", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -104,30 +101,28 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.engine not in ("slot", "paged"):
-            raise ValueError(f"engine must be 'slot' or 'paged', got {self.engine!r}")
-        for name in ("max_num_batched_tokens", "page_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.prefill_chunk < self.page_size:
+            raise ValueError(
+                f"prefill_chunk must be at least page_size ({self.page_size}), "
+                f"got {self.prefill_chunk}"
+            )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.prefix_cache_blocks < -1 or (
-            self.prefix_cache_blocks == -1 and self.kv_cache_memory_bytes is None
-        ):
-            raise ValueError(
-                "prefix_cache_blocks must be >= 0 (or -1 with kv_cache_memory_bytes), "
-                f"got {self.prefix_cache_blocks}"
-            )
         budget = self.kv_cache_memory_bytes
         if budget is not None and budget < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {budget}")
-        if self.prefill_chunk != 0 and self.prefill_chunk < 16:
-            raise ValueError(f"prefill_chunk must be 0 (off) or >= 16, got {self.prefill_chunk}")
-        buckets = self.prefill_buckets
-        if buckets is not None and (
-            not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets))
-        ):
-            raise ValueError(f"prefill_buckets must be positive and increasing, got {buckets}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.fault_injection is not None:
+            FaultPlan.parse(self.fault_injection)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.log_format not in LOG_FORMATS:
@@ -173,6 +168,14 @@ class ServerConfig:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
 
     @property
+    def batched_tokens(self) -> int:
+        """The tokens one step takes: by default a whole prompt chunk beside every decode
+        row, so a prompt never waits for the running sequences to finish."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return self.prefill_chunk + self.max_num_seqs
+
+    @property
     def request_sample_limit(self) -> tuple[int, str]:
         """(most samples one request may ask for, the flag that sets it): a request larger
         than the whole admission bound could never be admitted."""
@@ -202,13 +205,6 @@ class ServerConfig:
         if self.cache_dir is not None:
             return self.cache_dir
         return Path.home() / ".cache" / "jax-llm-server"
-
-
-def _buckets(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise ValueError(f"prefill-buckets must be a comma list of integers, got {text!r}") from exc
 
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
@@ -244,19 +240,19 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "served_model_name": (str, "model id in the API (default: the folder's name)"),
     "host": (str, "bind address"),
     "port": (int, "bind port"),
-    "max_slots": (int, "concurrent sequences in the decode batch"),
-    "engine": (str, "slot (default) or paged: the engine core over paged KV (being built)"),
-    "max_num_batched_tokens": (int, "paged: tokens one step takes, decode rows and chunks"),
-    "page_size": (int, "paged: positions per KV page"),
-    "prefix_caching": (_switch, "paged: share prompts' cached leading pages (default on)"),
+    "max_num_seqs": (int, "sequences decoding at once (vLLM's name; --max-slots as well)"),
+    "max_num_batched_tokens": (
+        int,
+        "tokens one step takes: every decode row, then prompt chunks "
+        "(default prefill-chunk + max-num-seqs)",
+    ),
+    "prefill_chunk": (int, "prompt positions one step computes of a prompt (page multiple)"),
+    "page_size": (int, "positions per KV page"),
+    "prefix_caching": (_switch, "share prompts' cached leading pages (default on)"),
     "max_model_len": (int, "context length: prompt + completion tokens"),
-    "prefill_buckets": (_buckets, "comma list of prefill padding lengths"),
     "dtype": (str, "float32 or bfloat16"),
-    "max_prefill_batch": (int, "prompts waiting together prefilled in one call (1: off)"),
-    "prefill_chunk": (int, "tokens a prefill call of a long prompt takes, decode between (0: off)"),
-    "prefix_cache_blocks": (int, "16-token blocks of prompt KV kept for later prompts (0: off)"),
-    "kv_cache_memory_bytes": (_byte_size, "KV pools cap, e.g. 8GiB (prefix blocks -1: the rest)"),
-    "vocab_major_head": (_switch, "decode logits as (vocab, rows) products (default: CPU f32)"),
+    "kv_cache_memory_bytes": (_byte_size, "KV pages' bytes per device, e.g. 8GiB"),
+    "gpu_memory_utilization": (float, "of each accelerator's memory for params + KV (0..1]"),
     "max_queued_samples": (int, "samples (prompts x n) waiting for prefill before 429"),
     "api_key": (str, "require 'Authorization: Bearer <key>' on /v1 routes"),
     "log_level": (str, "debug, info, warning, error"),
@@ -270,7 +266,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "body_read_timeout": (float, "seconds a client has to send a whole request body"),
     "cache_dir": (_optional_path, "the demo model and the compile cache (default ~/.cache/...)"),
     "compile_cache": (_switch, "keep compiled programs under cache-dir/jax: restarts warm fast"),
-    "fault_injection": (str, "test-only: inject a stage fault, e.g. generate:after=3"),
+    "fault_injection": (str, "test-only: fail the engine core, e.g. core:after=3 (steps)"),
     "max_n": (int, "largest n per request"),
     "max_stop_strings": (int, "most stop strings per request"),
     "max_stop_string_chars": (int, "longest stop string"),
@@ -288,6 +284,10 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "process_id": (int, "multi-host: this process's index, 0 serves HTTP"),
     "distributed_timeout": (float, "multi-host: seconds to wait for every process to join"),
 }
+
+
+# Older names, read as the flag they name (a flag given both ways takes the new name's value).
+_ALIASES = {"max_slots": "max_num_seqs"}
 
 
 def _default_cache_dir(environ: Mapping[str, str]) -> Path:
@@ -312,9 +312,14 @@ def parse_config(
         parser.add_argument(
             flag, dest=name, default=None, help=f"{help_text} [env {_env(name)}]", **switch
         )
+    for old, new in _ALIASES.items():
+        parser.add_argument("--" + old.replace("_", "-"), dest=old, default=None, help="=" + new)
     args = parser.parse_args(list(argv) if argv is not None else None)
 
     values: dict[str, object] = {}
+    for old, new in _ALIASES.items():
+        if getattr(args, new) is None and environ.get(_env(new)) in (None, ""):
+            setattr(args, new, getattr(args, old) or environ.get(_env(old)) or None)
     for name, (convert, _) in _FLAGS.items():
         raw = getattr(args, name)
         source = "--" + name.replace("_", "-")

@@ -30,7 +30,7 @@ from engine.request import (
     Unavailable,
 )
 from engine.types import PromptTooLongError
-from server.backend import Backend, OrchestratorClient
+from server.backend import Backend, EngineHandle
 from server.errors import APIError, bad_request
 from server.lifecycle import Runtime, State
 from server.metrics import EngineMetrics
@@ -108,7 +108,7 @@ class Generation:
         log: RequestLog,
     ):
         self._runtime = runtime
-        self._orchestrator: OrchestratorClient = backend.orchestrator
+        self._engine: EngineHandle = backend.engine
         self.plan = plan
         self._metrics = metrics
         self._log = log
@@ -131,10 +131,10 @@ class Generation:
         streams: list[RequestStream] = []
         try:
             for request in self.plan.requests:
-                streams.append(self._orchestrator.submit(request))
+                streams.append(self._engine.submit(request))
         except BaseException as exc:
             for stream in streams:
-                self._orchestrator.abort(stream.request_id)
+                self._engine.abort(stream.request_id)
             raise _submit_error(exc) from exc
         return streams
 
@@ -145,7 +145,7 @@ class Generation:
         self._closed = True
         for stream in self._streams:
             if not stream.finished:
-                self._orchestrator.abort(stream.request_id)
+                self._engine.abort(stream.request_id)
         self._runtime.release()
 
     # --- the merged feed ------------------------------------------------------------
@@ -310,7 +310,7 @@ def _shutdown_error() -> APIError:
 
 
 def _submit_error(exc: BaseException) -> BaseException:
-    """The client-facing form of an orchestrator refusal."""
+    """The client-facing form of an engine refusal."""
     if isinstance(exc, Overloaded):
         retry = max(1, round(exc.retry_after_s))
         return APIError(429, str(exc), code="overloaded", headers={"Retry-After": str(retry)})

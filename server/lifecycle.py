@@ -1,7 +1,7 @@
 """The serving state machine: loading -> ready -> draining -> stopped, or failed.
 
 Runs on: the event loop (every method except the loader thread and the
-orchestrator's failure listener, which hop onto the loop). Owns: the loaded
+engine's failure listener, which hop onto the loop). Owns: the loaded
 backend, readiness, liveness, the count of in-flight generation requests and
 the drain. It never ends the process itself: it sets `exit_requested` and the
 entrypoint decides (exit code 0 after a drain, 1 after a fault).
@@ -23,10 +23,10 @@ from server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
-# After the orchestrator has drained, the handlers still hold the last bytes of their
+# After the engine has drained, the handlers still hold the last bytes of their
 # responses (the final chunk, [DONE]); this is how long they get to send them.
 SEND_LAST_BYTES_S = 2.0
-# After a drain that timed out, the orchestrator has failed the open requests; their
+# After a drain that timed out, the engine has failed the open requests; their
 # handlers get this long to turn that into error events before drain_expired cuts them.
 SEND_FAILURES_S = 1.0
 
@@ -87,7 +87,7 @@ class Runtime:
 
     def _loaded(self, backend: Backend) -> None:
         self.backend = backend
-        backend.orchestrator.add_failure_listener(self._failure_from_thread)
+        backend.engine.add_failure_listener(self._failure_from_thread)
         if self.state is State.LOADING:
             self.state = State.READY
         elif self.state is not State.FAILED:  # drained or stopped while loading
@@ -117,7 +117,7 @@ class Runtime:
         """Liveness: the process and every stage are alive (loading counts as alive)."""
         if self.state is State.FAILED:
             return False
-        return self.backend is None or self.backend.orchestrator.alive
+        return self.backend is None or self.backend.engine.alive
 
     @property
     def ready(self) -> bool:
@@ -126,7 +126,7 @@ class Runtime:
     def stats(self) -> Any | None:
         if self.backend is None:
             return None
-        return self.backend.orchestrator.stats()
+        return self.backend.engine.stats()
 
     def require_ready(self) -> Backend:
         """The backend, or a 503 that says why requests are refused."""
@@ -159,7 +159,7 @@ class Runtime:
     async def drain(self, timeout: float) -> bool:
         """Refuse new requests, let in-flight ones finish for up to `timeout` seconds.
 
-        Returns True when all finished. At the timeout the orchestrator fails
+        Returns True when all finished. At the timeout the engine fails
         what is still open (streams end with an error event and [DONE]); the
         handlers get a moment to send that before the server closes.
         """
@@ -168,7 +168,7 @@ class Runtime:
         logger.info("draining", extra={"inflight": self._inflight, "timeout_s": timeout})
         drained = True
         if self.backend is not None and self.state is not State.FAILED:
-            drained = await asyncio.to_thread(self.backend.orchestrator.drain, timeout)
+            drained = await asyncio.to_thread(self.backend.engine.drain, timeout)
         try:
             await asyncio.wait_for(
                 self._idle.wait(), SEND_LAST_BYTES_S if drained else SEND_FAILURES_S
@@ -184,12 +184,12 @@ class Runtime:
         return drained
 
     async def shutdown(self) -> None:
-        """Stop the orchestrator's threads (after a drain or a fault)."""
+        """Stop the engine (after a drain or a fault)."""
         if self.state is not State.FAILED:
             self.state = State.STOPPED
         if self.backend is not None:
-            await asyncio.to_thread(self.backend.orchestrator.stop)
+            await asyncio.to_thread(self.backend.engine.stop)
 
     def _stop_backend_soon(self) -> None:
         assert self.backend is not None
-        threading.Thread(target=self.backend.orchestrator.stop, daemon=True).start()
+        threading.Thread(target=self.backend.engine.stop, daemon=True).start()

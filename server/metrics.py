@@ -1,21 +1,21 @@
 """Prometheus metrics: the only module that speaks Prometheus.
 
 Each app gets its own CollectorRegistry (tests run several apps in one
-process). Request metrics are observed from the orchestrator's plain-data
+process). Request metrics are observed from the engine's plain-data
 `RequestTimings` when a request ends; gauges are read from
-`Orchestrator.stats()` at scrape time, so nothing polls.
+the engine's `stats()` at scrape time, so nothing polls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.request import RequestTimings
+from engine.types import EngineStats
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -27,36 +27,38 @@ ITL_BUCKETS = (
 )  # fmt: skip
 
 
-def _slots(stats: Any) -> float:
-    return float(stats.slots_in_use / max(1, stats.max_slots))
+def _kv_usage(stats: EngineStats) -> float:
+    return float(stats.kv_pages_used / max(1, stats.kv_pages_total))
 
 
-def _prefix_usage(stats: Any) -> float:
-    return float(stats.cache.prefix_blocks_used / max(1, stats.cache.prefix_blocks))
+def _prefix_usage(stats: EngineStats) -> float:
+    return float(stats.prefix_cached_pages / max(1, stats.kv_pages_total))
 
 
-# (family, name, help, value from OrchestratorStats), one model_name label each
-_SERIES: tuple[tuple[type[Metric], str, str, Callable[[Any], float]], ...] = (
-    (GaugeMetricFamily, "llm_requests_running", "Requests holding a slot",
+# (family, name, help, value from EngineStats), one model_name label each; vLLM's meanings
+_SERIES: tuple[tuple[type[Metric], str, str, Callable[[EngineStats], float]], ...] = (
+    (GaugeMetricFamily, "llm_requests_running", "Sequences holding KV pages",
      lambda s: s.running_requests),
-    (GaugeMetricFamily, "llm_requests_waiting", "Requests queued before prefill",
-     lambda s: s.queued_requests),
-    (GaugeMetricFamily, "llm_slots_in_use_ratio", "Busy decode slots / all slots", _slots),
+    (GaugeMetricFamily, "llm_requests_waiting", "Sequences waiting to be scheduled",
+     lambda s: s.waiting_requests),
     (GaugeMetricFamily, "llm_kv_cache_usage_perc",
-     "Decode KV cache reserved by running samples, 0..1 (a slot reserves its context)", _slots),
+     "KV cache pages held by running sequences, 0..1", _kv_usage),
     (CounterMetricFamily, "llm_prefix_cache_queries",
-     "Prompt tokens looked up in the prefix cache", lambda s: s.cache.prefix_queries),
+     "Prompt tokens looked up in the prefix cache", lambda s: s.prefix_queries),
     (CounterMetricFamily, "llm_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-     lambda s: s.cache.prefix_hits),
-    (GaugeMetricFamily, "llm_prefix_cache_usage_perc", "Prefix cache blocks in use, 0..1",
-     _prefix_usage),
+     lambda s: s.prefix_hits),
+    (GaugeMetricFamily, "llm_prefix_cache_usage_perc",
+     "KV cache pages keeping a prefix block no sequence holds, 0..1", _prefix_usage),
+    (CounterMetricFamily, "llm_num_preemptions",
+     "Sequences preempted for pages (recomputed later)", lambda s: s.preemptions),
+    (CounterMetricFamily, "llm_engine_steps", "Steps the engine core ran", lambda s: s.steps),
 )  # fmt: skip
 
 
 class _StatsCollector(Collector):
-    """Gauges and counters of the orchestrator's state, read at scrape time."""
+    """Gauges and counters of the engine's state, read at scrape time."""
 
-    def __init__(self, model_name: str, read_stats: Callable[[], Any | None]):
+    def __init__(self, model_name: str, read_stats: Callable[[], EngineStats | None]):
         self._model_name = model_name
         self._read_stats = read_stats
 
@@ -68,28 +70,13 @@ class _StatsCollector(Collector):
             if stats is not None:
                 series.add_metric(name, read(stats))  # type: ignore[attr-defined]
             yield series
-        depth = GaugeMetricFamily(
-            "llm_queue_depth", "Items waiting in each stage's queue", labels=["model_name", "stage"]
-        )
         memory = GaugeMetricFamily(
             "llm_engine_memory_bytes",
             "Device memory given to each engine pool at start",
             labels=["model_name", "pool"],
         )
         if stats is not None:
-            depth.add_metric(name + ["prefill"], stats.prefill_queue_depth)
-            if stats.transfer_queue_depth is not None:  # disaggregated mode only
-                depth.add_metric(name + ["transfer"], stats.transfer_queue_depth)
-            depth.add_metric(name + ["detokenize"], stats.detokenize_queue_depth)
-            cache = stats.cache
-            for pool, size in (
-                ("decode_cache", cache.decode_cache_bytes),
-                ("prefix_cache", cache.prefix_cache_bytes),
-                ("prompt_buffer", cache.prompt_buffer_bytes),
-                ("kv_cache", cache.kv_cache_bytes),
-            ):
-                memory.add_metric(name + [pool], size)
-        yield depth
+            memory.add_metric(name + ["kv_cache"], stats.kv_cache_bytes)
         yield memory
 
 
@@ -100,7 +87,7 @@ class EngineMetrics:
         self,
         registry: CollectorRegistry,
         model_name: str,
-        read_stats: Callable[[], Any | None],
+        read_stats: Callable[[], EngineStats | None],
     ):
         self.model_name = model_name
         labels = ["model_name"]
@@ -122,14 +109,6 @@ class EngineMetrics:
         )
         self.prefill = histogram(
             "llm_request_prefill_time_seconds", "Prefill start to end", LATENCY_BUCKETS
-        )
-        self.transfer = histogram(
-            "llm_request_transfer_time_seconds",
-            "Disaggregated mode: KV moved from prefill to generate devices",
-            LATENCY_BUCKETS,
-        )
-        self.slot_wait = histogram(
-            "llm_request_slot_wait_time_seconds", "Prefilled to inserted in a slot", LATENCY_BUCKETS
         )
         self.decode = histogram(
             "llm_request_decode_time_seconds", "First token to finished", LATENCY_BUCKETS
@@ -163,10 +142,6 @@ class EngineMetrics:
             self.prefill.labels(name).observe(timings.prefill_end - timings.prefill_start)
         if timings.ttft_s is not None:
             self.ttft.labels(name).observe(timings.ttft_s)
-        phases = timings.phases()
-        for phase, histogram in (("transfer", self.transfer), ("slot", self.slot_wait)):
-            if phase in phases:
-                histogram.labels(name).observe(phases[phase])
 
     def observe_inter_token(self, seconds: float) -> None:
         """The gap between two tokens of one sample, as each arrives."""

@@ -1,4 +1,4 @@
-"""Validated OpenAI requests -> the orchestrator's `ActiveRequest`s.
+"""Validated OpenAI requests -> the engine's `ActiveRequest`s.
 
 Owns every check that needs the model or the server's limits: prompt and
 context length, prompt truncation (vLLM's truncate_prompt_tokens), n, stop
@@ -325,7 +325,7 @@ def sampling_params(
 def check_length(prompt_len: int, max_tokens: int | None, limits: ModelLimits, param: str) -> None:
     """400 when the prompt does not fit, or prompt + max_tokens exceeds the context.
 
-    The rule is the engine's (EngineLimits.check), the same the orchestrator applies.
+    The rule is the engine's (EngineLimits.check), the same the engine client applies.
     """
     try:
         limits.check(prompt_len, max_tokens)

@@ -1,6 +1,6 @@
 """A request's lifetime events for the client: the Server-Timing header and its JSON form.
 
-A slow request shows where its time went (queue, prefill, transfer, slot, ttft,
+A slow request shows where its time went (queue, prefill, ttft,
 decode, total; engine.request.RequestTimings.phases) without access to /metrics:
 non-streaming responses carry a `Server-Timing` header (W3C Server Timing, which
 browsers' developer tools and curl -v show), and streams, whose headers leave

@@ -22,7 +22,7 @@ from engine.checkpoint import NP_DTYPES
 from engine.config import ModelConfig, load_model_config, tensor_parallel
 from engine.core.memory import KVBudget, pages_for_budget
 from engine.core.pages import PagePool, PageStats
-from engine.core.runner import Runner
+from engine.core.runner import Launched, Runner, StepPlan
 from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
 from engine.types import EngineLimits
@@ -101,7 +101,9 @@ class EngineCore:
         platform = self.mesh.devices.flat[0].platform
         fold = 128 // cfg.head_dim if platform == "tpu" and cfg.head_dim < 128 else 1
         probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.dtype, fold)
-        chunk = max(config.page_size, min(config.chunk_size, config.max_num_batched_tokens))
+        # A chunk fits beside every decode row, so a prompt never waits for them to end.
+        room = config.max_num_batched_tokens - config.max_num_seqs
+        chunk = max(config.page_size, min(config.chunk_size, room))
         chunk -= chunk % config.page_size
         self.chunk_size = chunk
         params = place_checkpoint_params(config.model_path, cfg, config.dtype, self.mesh)
@@ -181,10 +183,30 @@ class EngineCore:
 
     def step(self) -> list[Emitted]:
         """One scheduled step run on the devices; [] when there is nothing to run."""
+        pending = self.launch()
+        return [] if pending is None else self.finish(pending)
+
+    def launch(self) -> Pending | None:
+        """Plan the next step and dispatch it; returns at once, the devices still running
+        (None: nothing to run). Every `launch` is followed by its `finish` before the next:
+        the plan's sequences are the scheduler's until then."""
         plan = self.scheduler.schedule()
         if plan is None:
-            return []
-        return self.scheduler.update(plan, self.runner.step(plan))
+            return None
+        return Pending(plan, self.runner.execute(self.runner.prepare(plan)))
+
+    def finish(self, pending: Pending) -> list[Emitted]:
+        """Wait for a launched step and take its tokens."""
+        result = self.runner.collect(pending.plan, pending.launched)
+        return self.scheduler.update(pending.plan, result)
 
 
-__all__ = ["CoreConfig", "Emitted", "EngineCore", "Sequence"]
+@dataclass(frozen=True)
+class Pending:
+    """A step dispatched to the devices whose tokens the scheduler has not taken yet."""
+
+    plan: StepPlan
+    launched: Launched
+
+
+__all__ = ["CoreConfig", "Emitted", "EngineCore", "Pending", "Sequence"]

@@ -30,7 +30,7 @@ from engine.core.messages import (
     TokenOut,
 )
 from engine.core.scheduler import Emitted, Sequence
-from engine.stages.faults import InjectedFault
+from engine.faults import InjectedFault
 from engine.types import TokenConstraint, TokenLogprobs
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -52,11 +53,17 @@ def pages_for_budget(budget: KVBudget, page: KVLayout, num_layers: int, mesh: Me
     return pages
 
 
+def _local(mesh: Mesh) -> list[Any]:
+    """The mesh's devices this process owns (multi-host: another's report no memory here)."""
+    local = getattr(mesh, "local_devices", None)
+    return list(local) if local is not None else list(mesh.devices.flat)
+
+
 def _free_bytes(mesh: Mesh, utilization: float) -> int | None:
     """The least, over the mesh's devices, of utilization x memory less what is in use now
     (params placed) and a headroom for temporaries; None where devices report nothing."""
     free = []
-    for device in mesh.devices.flat:
+    for device in _local(mesh):
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if not stats or "bytes_limit" not in stats:
             return None

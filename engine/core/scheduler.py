@@ -169,34 +169,45 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        """The next step's plan (None: nothing to run)."""
+        """The next step's plan (None: nothing to run).
+
+        Running sequences keep their place by preempting the latest admitted ones not yet
+        planned this step; a running prompt that still cannot get pages holds back new
+        admissions (they would take the pages it waits for). So whenever a sequence runs
+        or waits, the step has work: the oldest running sequence can always preempt every
+        later one, and one max_model_len sequence fits the pool (checked at start).
+        """
         budget = self.config.max_num_batched_tokens
         chunks = self.config.max_prefill_seqs
         work: list[RowWork] = []
         planned: list[Sequence] = []
-        for seq in list(self.running):  # decode rows first
+        blocked = False
+        for seq in list(self.running):  # decode rows first, in admission order
             if seq not in self.running or seq.computed != len(seq.tokens) - 1:
                 continue
-            if not self._reserve(seq, seq.computed + 1, preempt=True):
+            if not self._reserve(seq, seq.computed + 1, planned):
                 continue  # preempted itself
             work.append(self._work(seq, 1))
             planned.append(seq)
             budget -= 1
         for seq in [s for s in self.running if s.computed < len(s.tokens) - 1]:
+            if seq not in self.running:
+                continue  # preempted by an older prompt of this step
             n = self._chunk(seq)
             if chunks == 0 or n > budget:
                 break
-            if not self._reserve(seq, seq.computed + n, preempt=False):
+            if not self._reserve(seq, seq.computed + n, planned):
+                blocked = True
                 break
             work.append(self._work(seq, n))
             planned.append(seq)
             budget -= n
             chunks -= 1
-        while self.waiting and self._free_rows and budget > 0 and chunks > 0:
+        while not blocked and self.waiting and self._free_rows and budget > 0 and chunks > 0:
             seq = self.waiting[0]
             self._match(seq)
             n = self._chunk(seq)
-            if n > budget or not self._reserve(seq, seq.computed + n, preempt=False):
+            if n > budget or not self._reserve(seq, seq.computed + n, None):
                 self._unmatch(seq)
                 break
             self.waiting.popleft()
@@ -209,6 +220,8 @@ class Scheduler:
             budget -= n
             chunks -= 1
         self._plan = planned
+        if not work and self.busy:
+            raise RuntimeError("the scheduler planned nothing while sequences wait")
         return StepPlan(tuple(work)) if work else None
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
@@ -314,25 +327,28 @@ class Scheduler:
             prompt_top=seq.prompt_logprobs or 0,
         )
 
-    def _reserve(self, seq: Sequence, positions: int, preempt: bool) -> bool:
-        """Pages for `positions` positions of seq; with `preempt`, preempting the latest
-        admitted others (then seq itself) until they fit. False: seq did not get them."""
+    def _reserve(self, seq: Sequence, positions: int, planned: list[Sequence] | None) -> bool:
+        """Pages for `positions` positions of seq. Given `planned`, it preempts the latest
+        admitted sequences not in it (seq itself last) until they fit; None: no preemption.
+        False: seq did not get them (and is preempted, if it was the one left)."""
         needed = -(-positions // self.pool.page_size) - len(seq.pages)
         while needed > 0:
             pages = self.pool.allocate(needed)
             if pages is not None:
                 seq.pages += pages
                 return True
-            if not preempt:
+            if planned is None:
                 return False
-            victim = self.running[-1]
+            victim = next((s for s in reversed(self.running) if s not in planned), None)
+            if victim is None:
+                return False
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)  # the latest admitted: never one planned earlier this step
+        self.running.remove(seq)  # never one planned this step (see _reserve)
         self._release(seq)
         seq.computed = 0
         seq.preempted += 1

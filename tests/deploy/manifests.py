@@ -21,7 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 # Overlays whose server is a Deployment (one host per replica), and the multi-host ones.
-OVERLAYS = ("cpu", "gpu", "tpu", "disaggregated")
+OVERLAYS = ("cpu", "gpu", "tpu")
 LWS_OVERLAYS = ("lws", "lws-tpu")
 
 Manifest = dict[str, Any]

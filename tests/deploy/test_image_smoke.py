@@ -127,8 +127,7 @@ def test_installed_package_serves_and_passes_the_healthcheck(tmp_path: Path) -> 
         LLM_SERVER_PORT=str(port),
         LLM_SERVER_MODEL="",  # nothing mounted: the embedded demo model
         LLM_SERVER_MAX_MODEL_LEN="256",
-        LLM_SERVER_PREFILL_BUCKETS="16,32",
-        LLM_SERVER_MAX_SLOTS="2",
+        LLM_SERVER_MAX_NUM_SEQS="2",
         LLM_SERVER_LOG_FORMAT="text",
     )
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # the test session's warm compile cache

@@ -43,13 +43,12 @@ EXPECTED_KINDS = {
 }
 INGRESS_PREFIX = "nginx.ingress.kubernetes.io/"
 # Dockerfile build argument JAX_FLAVOR value each overlay's image must be built with.
-IMAGE_FLAVOUR = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu", "disaggregated": "cuda"}
+IMAGE_FLAVOUR = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 # The accelerator resource each overlay's pod asks for (None: CPU only).
 ACCELERATOR = {
     "cpu": None,
     "gpu": "nvidia.com/gpu",
     "tpu": "google.com/tpu",
-    "disaggregated": "nvidia.com/gpu",
 }
 
 

@@ -1,8 +1,8 @@
-"""Fixtures of the slot-engine tests: tiny checkpoints per architecture and small engines."""
+"""Fixtures of the engine tests: tiny checkpoints per architecture, and small engine cores."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +28,27 @@ def tiny_checkpoint_of(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFa
     return make
 
 
-@pytest.fixture(scope="module")  # tests/conftest.py drops compiled programs per module
-def small_engine(tiny_checkpoint_of: CheckpointFactory) -> Any:
-    """A warmed-up float32 tiny Llama engine: 4 slots, max_model_len 64, buckets 16/32/64."""
-    from engine.engine import Engine, EngineConfig
+def core_of(folder: Path, **options: Any) -> Any:
+    """A small EngineCore: 4 sequences, context 128, steps of 32 tokens, chunks of 16,
+    pages of 8 (options override any of them)."""
+    from engine.core.core import CoreConfig, EngineCore
 
-    engine = Engine(EngineConfig(tiny_checkpoint_of("llama"), max_slots=4, max_model_len=64))
-    engine.warmup()
-    return engine
+    config = dict(
+        model_path=folder, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32,
+        chunk_size=16, page_size=8,
+    )  # fmt: skip
+    return EngineCore(CoreConfig(**(config | options)))
 
 
-def batch_lengths(engine: Any, count: int = 2) -> list[int] | None:
-    """Lengths of `count` prompts that make one batched prefill call on a warmed-up engine,
-    in the shortest bucket that has a batch shape (None: there is none). Which buckets
-    batch depends on the machine: warm-up keeps only the shapes where a prompt has the
-    bits it has alone (engine.engine.Engine._keep_exact_batch_shapes)."""
-    buckets = [b for rows, b in engine.prefill_batch_shapes if rows >= count]
-    if not buckets:
-        return None
-    top = min(min(buckets), engine.max_prompt_len)
-    return [top - i for i in range(count)]
+def run_core(core: Any, seqs: Iterable[Any], limit: int = 5000) -> dict[str, list[Any]]:
+    """Add the sequences and step until every one has ended: each one's Emitted events."""
+    seqs = list(seqs)
+    out: dict[str, list[Any]] = {s.seq_id: [] for s in seqs}
+    for seq in seqs:
+        core.add(seq)
+    for _ in range(limit):
+        if not core.scheduler.busy:
+            return out
+        for event in core.step():
+            out[event.seq_id].append(event)
+    raise AssertionError("sequences did not finish")

@@ -11,22 +11,18 @@ import pytest
 
 from engine.checkpoint import load_params
 from engine.config import load_model_config
-from engine.engine import Engine, EngineConfig
+from engine.core.scheduler import Sequence
 from engine.types import CheckpointError, SamplingParams
+from tests.engine.conftest import core_of, run_core
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 PROMPT = [0, 42, 364, 78, 81, 277, 67]
 
 
 def greedy_tokens(folder: Path, dtype: str = "float32", steps: int = 6) -> list[int]:
-    engine = Engine(EngineConfig(folder, dtype=dtype, max_slots=2, max_model_len=32))
-    prefix = engine.prefill(PROMPT, GREEDY)
-    state = engine.insert(prefix, engine.init_state(), 1)
-    tokens = [int(prefix.token)]
-    for _ in range(steps):
-        state, out = engine.generate(state)
-        tokens.append(int(out.tokens[1]))
-    return tokens
+    core = core_of(folder, dtype=dtype, max_num_seqs=2, max_model_len=32)
+    events = run_core(core, [Sequence("s", tuple(PROMPT), GREEDY, steps + 1)])["s"]
+    return [e.token for e in events]
 
 
 def copy_of(folder: Path, tmp_path: Path) -> Path:
@@ -102,7 +98,7 @@ def test_bad_config_is_a_clear_error(tiny_checkpoint_of, tmp_path, change, messa
     folder = copy_of(tiny_checkpoint_of("llama"), tmp_path)
     edit_config(folder, **change)
     with pytest.raises(CheckpointError, match=message) as info:
-        Engine(EngineConfig(folder))
+        core_of(folder)
     assert "config.json" in str(info.value)
 
 

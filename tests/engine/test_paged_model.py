@@ -1,6 +1,6 @@
 """engine.paged_model: the decoder over paged KV in ragged steps gives each position the
-logits of the slot engine's whole-prompt prefill (itself checked against transformers in
-test_parity), whatever the steps' mix of prompt chunks and decode rows."""
+logits of transformers' forward pass over the whole prompt, whatever the steps' mix of
+prompt chunks and decode rows."""
 
 from __future__ import annotations
 
@@ -13,18 +13,20 @@ import pytest
 from engine.attention import KVLayout, ReferenceAttention
 from engine.checkpoint import load_params
 from engine.config import load_model_config
-from engine.model import matmul_layout, prefill_forward
 from engine.paged_model import Chunk, forward, head_logits, make_batch
 
 PAGE = 8
 
 
 def whole_prompt_logits(folder, cfg, params, prompt):  # type: ignore[no-untyped-def]
-    tokens = np.asarray(prompt, np.int32)
-    logits, _, _ = prefill_forward(
-        matmul_layout(params), tokens, len(tokens), cfg.rope_inv_freq(), cfg, all_logits=True
-    )
-    return np.asarray(logits)
+    """transformers' logits over the whole prompt at once."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        return model(torch.tensor([list(prompt)])).logits[0].numpy()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "llama_tied"])

@@ -36,9 +36,8 @@ def make_config(model: Path, **overrides: object) -> ServerConfig:
     base = {
         "model": model,
         "served_model_name": MODEL_NAME,
-        "max_slots": SLOTS,
+        "max_num_seqs": SLOTS,
         "max_model_len": MAX_MODEL_LEN,
-        "prefill_buckets": (32, 64),
         "max_queued_samples": 64,
         "sse_ping_interval": 0.5,
     }

@@ -1,4 +1,4 @@
-"""A backend whose orchestrator answers from a script: exact deltas, then an end or a failure.
+"""A backend whose engine answers from a script: exact deltas, then an end or a failure.
 
 The tokenizer is the tiny checkpoint's real one, recording the thread each call
 runs on, so a test can check what ran off the event loop; no JAX is involved, so a
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.orchestrator import OrchestratorStats
 from engine.request import ActiveRequest, Delta, RequestFailed, RequestStream
+from engine.types import EngineStats
 from server.backend import Backend, ModelLimits
 from tokenization import Tokenizer
 
@@ -51,7 +51,7 @@ class RecordingTokenizer(Tokenizer):
 
 
 @dataclass
-class ScriptedOrchestrator:
+class ScriptedEngine:
     """Each request gets `script` (sample 0's deltas), then ends, or fails with `failure`."""
 
     script: list[Delta] = field(default_factory=list)
@@ -77,8 +77,8 @@ class ScriptedOrchestrator:
     def stop(self) -> None:
         self.alive = False
 
-    def stats(self) -> OrchestratorStats:
-        return OrchestratorStats(0, 0, 0, 0, 0, 1, alive=self.alive, draining=False)
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0, 1, alive=self.alive, draining=False)
 
     def add_failure_listener(self, listener: Callable[[BaseException], None]) -> None:
         pass
@@ -100,12 +100,12 @@ def delta(text: str, tokens: int, finish_reason: str | None = None) -> Delta:
 
 def scripted_backend(
     checkpoint: Path,
-    orchestrator: ScriptedOrchestrator,
+    engine: ScriptedEngine,
     *,
     chat_template: str | None = None,
     max_model_len: int = 128,
 ) -> tuple[Backend, RecordingTokenizer]:
-    """The checkpoint's tokenizer (or its own chat template) over `orchestrator`."""
+    """The checkpoint's tokenizer (or its own chat template) over `engine`."""
     tokenizer = RecordingTokenizer.from_folder(checkpoint, chat_template=chat_template)
     tokenizer.threads = []
     limits = ModelLimits(
@@ -113,4 +113,4 @@ def scripted_backend(
         max_prompt_len=max_model_len // 2,
         vocab_size=tokenizer.vocab_size,
     )
-    return Backend(tokenizer=tokenizer, orchestrator=orchestrator, limits=limits), tokenizer
+    return Backend(tokenizer=tokenizer, engine=engine, limits=limits), tokenizer

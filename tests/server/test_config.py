@@ -19,11 +19,19 @@ def test_defaults() -> None:
 
 
 def test_flag_beats_env_beats_default(tmp_path: Path) -> None:
-    env = {"LLM_SERVER_PORT": "9001", "LLM_SERVER_MAX_SLOTS": "3", "LLM_SERVER_API_KEY": "k1"}
+    env = {"LLM_SERVER_PORT": "9001", "LLM_SERVER_MAX_NUM_SEQS": "3", "LLM_SERVER_API_KEY": "k1"}
     config = parse_config(["--port", "9002"], environ=env)
     assert config.port == 9002
-    assert config.max_slots == 3
+    assert config.max_num_seqs == 3
     assert config.api_key == "k1"
+
+
+def test_max_slots_is_read_as_max_num_seqs() -> None:
+    """The flag's older name (and its variable) still configure it; the new name wins."""
+    assert parse_config(["--max-slots", "3"], environ={}).max_num_seqs == 3
+    assert parse_config([], environ={"LLM_SERVER_MAX_SLOTS": "5"}).max_num_seqs == 5
+    both = parse_config(["--max-slots", "3", "--max-num-seqs", "7"], environ={})
+    assert both.max_num_seqs == 7
 
 
 def test_every_listed_flag_parses(tmp_path: Path) -> None:
@@ -31,12 +39,13 @@ def test_every_listed_flag_parses(tmp_path: Path) -> None:
     config = parse_config(
         [
             "--model", str(tmp_path), "--served-model-name", "m", "--host", "127.0.0.1",
-            "--port", "1234", "--max-slots", "2", "--max-model-len", "256",
-            "--prefill-buckets", "16,32,64", "--dtype", "bfloat16",
+            "--port", "1234", "--max-num-seqs", "2", "--max-model-len", "256",
+            "--max-num-batched-tokens", "128", "--page-size", "8", "--prefill-chunk", "64",
+            "--prefix-caching", "false", "--gpu-memory-utilization", "0.5", "--dtype", "bfloat16",
             "--max-queued-samples", "5", "--api-key", "secret", "--log-level", "debug",
             "--log-format", "text", "--chat-template", str(template), "--drain-timeout", "2.5",
             "--sse-ping-interval", "3", "--max-request-bytes", "2048",
-            "--cache-dir", str(tmp_path / "cache"), "--vocab-major-head", "false",
+            "--cache-dir", str(tmp_path / "cache"),
         ],
         environ={},
     )  # fmt: skip
@@ -45,9 +54,13 @@ def test_every_listed_flag_parses(tmp_path: Path) -> None:
         served_model_name="m",
         host="127.0.0.1",
         port=1234,
-        max_slots=2,
+        max_num_seqs=2,
         max_model_len=256,
-        prefill_buckets=(16, 32, 64),
+        max_num_batched_tokens=128,
+        page_size=8,
+        prefill_chunk=64,
+        prefix_caching=False,
+        gpu_memory_utilization=0.5,
         dtype="bfloat16",
         max_queued_samples=5,
         api_key="secret",
@@ -58,7 +71,6 @@ def test_every_listed_flag_parses(tmp_path: Path) -> None:
         sse_ping_interval=3.0,
         max_request_bytes=2048,
         cache_dir=tmp_path / "cache",
-        vocab_major_head=False,
     )
     assert config.model_name == "m"
 
@@ -69,8 +81,8 @@ def test_cache_dir_follows_xdg(tmp_path: Path) -> None:
 
 
 def test_fault_injection_from_env() -> None:
-    config = parse_config([], environ={"LLM_SERVER_FAULT_INJECTION": "generate:after=3"})
-    assert config.fault_injection == "generate:after=3"
+    config = parse_config([], environ={"LLM_SERVER_FAULT_INJECTION": "core:after=3"})
+    assert config.fault_injection == "core:after=3"
 
 
 @pytest.mark.parametrize(
@@ -78,13 +90,15 @@ def test_fault_injection_from_env() -> None:
     [
         (["--port", "abc"], {}, "--port"),
         ([], {"LLM_SERVER_PORT": "70000"}, "port"),
-        (["--max-slots", "0"], {}, "max_slots"),
+        (["--max-num-seqs", "0"], {}, "max_num_seqs"),
+        (["--max-slots", "0"], {}, "max_num_seqs"),
         (["--dtype", "float16"], {}, "dtype"),
-        (["--prefill-buckets", "32,16"], {}, "prefill_buckets"),
-        (["--prefill-buckets", "a,b"], {}, "prefill-buckets"),
+        (["--prefill-chunk", "8"], {}, "prefill_chunk must be at least page_size"),
+        (["--gpu-memory-utilization", "1.5"], {}, "gpu_memory_utilization"),
+        (["--fault-injection", "everywhere"], {}, "fault_injection"),
         (["--log-format", "xml"], {}, "log_format"),
         (["--drain-timeout", "-1"], {}, "drain_timeout"),
-        (["--vocab-major-head", "maybe"], {}, "--vocab-major-head"),
+        (["--prefix-caching", "maybe"], {}, "--prefix-caching"),
         ([], {"LLM_SERVER_MAX_MODEL_LEN": "1"}, "max_model_len"),
         (["--tool-call-parser", "mistral"], {}, "tool_call_parser must be one of hermes"),
         (["--enable-auto-tool-choice"], {}, "needs tool_call_parser"),
@@ -113,3 +127,11 @@ def test_tool_flags_as_vllm_spells_them() -> None:
     config = parse_config([], environ=env)
     assert not config.enable_auto_tool_choice and config.tool_call_parser == "hermes"
     assert not parse_config([], environ={}).enable_auto_tool_choice
+
+
+def test_a_step_takes_a_whole_chunk_beside_every_decode_row_by_default() -> None:
+    assert ServerConfig().batched_tokens == 256 + 8
+    assert ServerConfig(max_num_seqs=32, prefill_chunk=128).batched_tokens == 160
+    assert ServerConfig(max_num_batched_tokens=2048).batched_tokens == 2048
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        ServerConfig(max_num_batched_tokens=0)

@@ -1,4 +1,4 @@
-"""Clients that go away free their slots: aborts reach the orchestrator within a step."""
+"""Clients that go away free their pages: aborts reach the engine core within a step."""
 
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def test_dropped_streams_free_every_slot(live: LiveServer) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         stats = runtime.stats()
-        if stats.slots_in_use == 0 and stats.queued_requests == 0 and runtime.inflight == 0:
+        if stats.kv_pages_used == 0 and stats.waiting_requests == 0 and runtime.inflight == 0:
             break
         time.sleep(0.02)
     stats = runtime.stats()
-    assert (stats.slots_in_use, stats.queued_requests, stats.running_requests) == (0, 0, 0)
+    assert (stats.kv_pages_used, stats.waiting_requests, stats.running_requests) == (0, 0, 0)
     assert runtime.inflight == 0
     # the aborted requests did not run to their end
     assert finished_samples(live) - before < count

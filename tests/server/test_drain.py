@@ -1,8 +1,9 @@
-"""Drain, overload and loading on a real server over the orchestrator and the fake engine.
+"""Drain, overload and loading on a real server over a paced engine (tests/server/paced.py).
 
-The fake engine's slow steps keep streams open long enough to watch a drain
-from the outside: readiness and new requests turn 503 at once, and streams
-still open at the timeout end with an error event and [DONE].
+The paced engine's slow steps keep streams open long enough to watch a drain from the
+outside: readiness and new requests turn 503 at once, and streams still open at the
+timeout end with an error event and [DONE]. (The real engine core's drain is tested
+through SIGTERM in test_process.)
 """
 
 from __future__ import annotations
@@ -11,52 +12,16 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from engine.fake import FakeDelays, FakeEngine, FakeTokenizer
-from engine.orchestrator import Orchestrator, OrchestratorConfig
-from engine.stages.detokenize import text_streams
 from server.backend import Backend
 from server.lifecycle import Runtime
 from tests.server.harness import LiveServer, make_config, serve_in_thread, sse_events, wait_ready
-
-
-class TextTokenizer(FakeTokenizer):
-    """FakeTokenizer plus what the server needs: one token per character."""
-
-    vocab_size = 1000
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % self.vocab_size for c in text]
-
-    def validate_ids(self, ids: Sequence[int]) -> list[int]:
-        if any(not 0 <= i < self.vocab_size for i in ids):
-            raise ValueError("token id outside the vocabulary")
-        return list(ids)
-
-    def token_text(self, token_id: int) -> str:
-        return self.decode([token_id])
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self.token_text(token_id).encode()
-
-
-def fake_backend(step_s: float, max_queued_samples: int = 64) -> Backend:
-    delays = FakeDelays(generate=(step_s, step_s))
-    engine = FakeEngine(max_slots=2, max_model_len=256, delays=delays)
-    tokenizer = TextTokenizer()
-    orchestrator = Orchestrator(
-        engine,
-        text_streams(tokenizer.detokenizer, tokenizer.eos_token_ids),
-        OrchestratorConfig(max_queued_samples=max_queued_samples),
-    )
-    orchestrator.start()
-    limits = engine.limits
-    return Backend(tokenizer=tokenizer, orchestrator=orchestrator, limits=limits)
+from tests.server.paced import paced_backend as fake_backend
 
 
 @pytest.fixture
@@ -181,6 +146,6 @@ def test_non_streaming_client_that_hangs_up_frees_its_slot(slow_server: LiveServ
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(slow_server.v1 + "/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 2
-    while time.monotonic() < deadline and (runtime.inflight or runtime.stats().slots_in_use):
+    while time.monotonic() < deadline and (runtime.inflight or runtime.stats().kv_pages_used):
         time.sleep(0.02)
-    assert runtime.inflight == 0 and runtime.stats().slots_in_use == 0
+    assert runtime.inflight == 0 and runtime.stats().kv_pages_used == 0

@@ -8,7 +8,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.harness import MODEL_NAME, LiveServer, make_config, serve_in_thread
-from tests.server.test_drain import fake_backend
+from tests.server.paced import paced_backend as fake_backend
 
 
 def scrape(live: LiveServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -68,9 +68,9 @@ def test_engine_metrics_count_each_request(live: LiveServer) -> None:
 
     assert value(after, "llm_requests_running") == 0
     assert value(after, "llm_requests_waiting") == 0
-    assert value(after, "llm_slots_in_use_ratio") == 0
-    stages = {dict(labels)["stage"] for name, labels in after if name == "llm_queue_depth"}
-    assert stages == {"prefill", "detokenize"}  # no constant-0 gauge for an absent stage
+    assert value(after, "llm_kv_cache_usage_perc") == 0
+    assert value(after, "llm_engine_steps_total") > 0
+    assert value(after, "llm_engine_memory_bytes", pool="kv_cache") > 0
     http = [k for k in after if k[0] == "http_requests_total"]
     assert any(("handler", "/v1/completions") in labels for _, labels in http)
 

@@ -30,8 +30,8 @@ from tests.server.harness import (
 pytestmark = pytest.mark.slow
 
 SHAPE_FLAGS = [
-    "--max-slots", str(SLOTS), "--max-model-len", str(MAX_MODEL_LEN),
-    "--prefill-buckets", "32,64", "--served-model-name", MODEL_NAME, "--log-level", "info",
+    "--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_MODEL_LEN),
+    "--served-model-name", MODEL_NAME, "--log-level", "info",
 ]  # fmt: skip
 KEY = "s3cret-key"
 

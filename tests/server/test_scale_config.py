@@ -52,18 +52,19 @@ def test_misconfiguration_is_a_clear_error(argv: list[str], problem: str) -> Non
         parse_config(argv, environ={})
 
 
-def test_a_device_set_the_machine_lacks_fails_the_start(tmp_path: Path) -> None:
-    """Through the loader, before anything is compiled: a ValueError naming the devices."""
+def test_disaggregated_serving_is_refused_at_start(tmp_path: Path) -> None:
+    """The engine core does not serve disaggregated device sets yet: the loader says so
+    before it starts anything."""
     from engine.tiny import write_tiny_checkpoint
-    from server.loading import build_engines
+    from server.loading import load_core
 
     model = write_tiny_checkpoint(tmp_path / "m", arch="llama")
     config = parse_config(
-        ["--model", str(model), "--prefill-devices", "0-1", "--generate-devices", "2-9"],
+        ["--model", str(model), "--prefill-devices", "0", "--generate-devices", "1"],
         environ={},
     )
-    with pytest.raises(ValueError, match=r"generate_devices \[2, 3, 4, 5, 6, 7, 8, 9\]"):
-        build_engines(config)
+    with pytest.raises(ValueError, match="disaggregated serving .* is not supported yet"):
+        load_core(config, None, frozenset())
 
 
 COMPILE = """

@@ -44,8 +44,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 HEADER_S, BODY_S, KEEP_ALIVE_S = 1.0, 2.0, 1.0
 SLACK_S = 8.0  # on top of every deadline: a loaded 2-core machine is late, never early
 PROCESS_FLAGS = [
-    "--max-slots", str(SLOTS), "--max-model-len", str(MAX_MODEL_LEN),
-    "--prefill-buckets", "32,64", "--served-model-name", MODEL_NAME,
+    "--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_MODEL_LEN),
+    "--served-model-name", MODEL_NAME,
     "--log-format", "text", "--log-level", "info", "--api-key", KEY,
     "--header-read-timeout", str(HEADER_S), "--body-read-timeout", str(BODY_S),
     "--timeout-keep-alive", str(KEEP_ALIVE_S),

@@ -106,7 +106,7 @@ def _gauges(base: str) -> dict[str, float]:
     text = httpx.get(base + "/metrics", timeout=10).text
     out = {}
     for line in text.splitlines():
-        for name in ("llm_requests_running", "llm_requests_waiting", "llm_slots_in_use_ratio"):
+        for name in ("llm_requests_running", "llm_requests_waiting", "llm_kv_cache_usage_perc"):
             if line.startswith(name + "{"):
                 out[name] = float(line.rsplit(" ", 1)[1])
     return out
@@ -210,8 +210,8 @@ class Soak:
 
 def test_soak(tiny_checkpoint: Path, tmp_path: Path) -> None:
     args = [
-        "--model", str(tiny_checkpoint), "--served-model-name", "soak", "--max-slots", "4",
-        "--max-model-len", "128", "--prefill-buckets", "32,64", "--log-level", "warning",
+        "--model", str(tiny_checkpoint), "--served-model-name", "soak", "--max-num-seqs", "4",
+        "--max-model-len", "128", "--log-level", "warning",
     ]  # fmt: skip
     with serve_process(args, tmp_path) as server:
         v1 = server.base_url + "/v1"

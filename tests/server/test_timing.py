@@ -13,7 +13,7 @@ from engine.request import RequestTimings
 from tests.server.harness import MODEL_NAME, LiveServer, sse_events
 from tests.server.test_metrics import scrape, value
 
-PHASES = ("queue", "prefill", "slot", "ttft", "decode", "total")
+PHASES = ("queue", "prefill", "ttft", "decode", "total")
 
 
 def parse_server_timing(header: str) -> dict[str, float]:
@@ -26,18 +26,9 @@ def parse_server_timing(header: str) -> dict[str, float]:
 
 
 def test_phases_of_hand_made_timings() -> None:
-    t = RequestTimings(queued=10.0, prefill_start=10.5, prefill_end=11.0, inserted=11.25)
+    t = RequestTimings(queued=10.0, prefill_start=10.5, prefill_end=11.5)
     t.first_token, t.finished = 11.5, 13.0
-    assert t.phases() == {
-        "queue": 0.5,
-        "prefill": 0.5,
-        "slot": 0.25,
-        "ttft": 1.5,
-        "decode": 1.5,
-        "total": 3.0,
-    }
-    t.transfer_start, t.transfer_end = 11.0, 11.125  # disaggregated: slot wait after transfer
-    assert t.phases()["transfer"] == 0.125 and t.phases()["slot"] == 0.125
+    assert t.phases() == {"queue": 0.5, "prefill": 1.0, "ttft": 1.5, "decode": 1.5, "total": 3.0}
     assert RequestTimings(queued=1.0).phases() == {}  # nothing happened yet: nothing said
 
 
@@ -51,7 +42,7 @@ def test_a_non_streaming_response_says_where_its_time_went(live: LiveServer) -> 
     )
     assert raw.parse().usage.completion_tokens == 6
     phases = parse_server_timing(raw.headers["server-timing"])
-    assert set(phases) == set(PHASES)  # no transfer: prefill and generate share the devices
+    assert set(phases) == set(PHASES)
     assert phases["queue"] + phases["prefill"] <= phases["ttft"] + 0.2
     assert phases["ttft"] + phases["decode"] <= phases["total"] + 0.2
     assert phases["decode"] > 0  # five tokens after the first take steps
@@ -82,11 +73,8 @@ def test_each_phase_is_a_histogram(live: LiveServer) -> None:
     after = scrape(live)
     for name in (
         "llm_request_decode_time_seconds_count",
-        "llm_request_slot_wait_time_seconds_count",
         "llm_request_queue_time_seconds_count",
         "llm_request_prefill_time_seconds_count",
     ):
         assert value(after, name) == value(before, name) + 1, name
-    assert value(after, "llm_request_transfer_time_seconds_count") == 0
-    no_transfer = ("llm_queue_depth", (("model_name", MODEL_NAME), ("stage", "transfer")))
-    assert no_transfer not in after  # no transfer stage here: no gauge for it
+    assert not any(name.startswith("llm_request_slot_wait") for name, _ in after)

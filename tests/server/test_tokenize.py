@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.server.harness import MAX_MODEL_LEN, MODEL_NAME, LiveServer, make_config, serve_in_thread
-from tests.server.scripted import RecordingTokenizer, ScriptedOrchestrator, delta, scripted_backend
+from tests.server.scripted import RecordingTokenizer, ScriptedEngine, delta, scripted_backend
 from tokenization import Tokenizer
 
 TEXT = "The quick brown fox"
@@ -152,9 +152,7 @@ def test_a_lone_surrogate_is_refused(live: LiveServer) -> None:
 @pytest.fixture(scope="module")
 def locked(tiny_checkpoint: Path) -> Iterator[tuple[LiveServer, RecordingTokenizer]]:
     """A server with an API key over a scripted backend whose tokenizer records its threads."""
-    backend, tokenizer = scripted_backend(
-        tiny_checkpoint, ScriptedOrchestrator([delta("ok", 1, "stop")])
-    )
+    backend, tokenizer = scripted_backend(tiny_checkpoint, ScriptedEngine([delta("ok", 1, "stop")]))
     config = make_config(tiny_checkpoint, api_key=KEY)
     with serve_in_thread(config, loader=lambda: backend) as server:
         yield server, tokenizer

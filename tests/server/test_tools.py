@@ -25,7 +25,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from tests.server.harness import MODEL_NAME, LiveServer, make_config, serve_in_thread
 from tests.server.scripted import (
     TOOL_TEMPLATE,
-    ScriptedOrchestrator,
+    ScriptedEngine,
     delta,
     scripted_backend,
 )
@@ -44,9 +44,7 @@ REPLY = ["Let me ", "check.\n<tool", CALL[len("<tool") : CUT], CALL[CUT:]]
 
 
 class Scripted:
-    def __init__(
-        self, server: LiveServer, orchestrator: ScriptedOrchestrator, tokenizer: Tokenizer
-    ):
+    def __init__(self, server: LiveServer, orchestrator: ScriptedEngine, tokenizer: Tokenizer):
         self.server, self.orchestrator, self.tokenizer = server, orchestrator, tokenizer
         self.client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
 
@@ -66,7 +64,7 @@ class Scripted:
 
 @pytest.fixture(scope="module")
 def scripted(tiny_checkpoint: Path) -> Iterator[Scripted]:
-    orchestrator = ScriptedOrchestrator()
+    orchestrator = ScriptedEngine()
     backend, tokenizer = scripted_backend(
         tiny_checkpoint, orchestrator, chat_template=TOOL_TEMPLATE, max_model_len=1024
     )
@@ -77,7 +75,7 @@ def scripted(tiny_checkpoint: Path) -> Iterator[Scripted]:
 
 @pytest.fixture(scope="module")
 def no_parser(tiny_checkpoint: Path) -> Iterator[Scripted]:
-    orchestrator = ScriptedOrchestrator()
+    orchestrator = ScriptedEngine()
     backend, tokenizer = scripted_backend(
         tiny_checkpoint, orchestrator, chat_template=TOOL_TEMPLATE, max_model_len=1024
     )

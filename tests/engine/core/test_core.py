@@ -6,15 +6,12 @@ being preempted; seeded sampling likewise."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
-from engine.checkpoint import load_params
 from engine.config import load_model_config
 from engine.core.core import CoreConfig, EngineCore
 from engine.core.scheduler import Emitted, Sequence
-from engine.model import matmul_layout, prefill_forward
 from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -26,14 +23,30 @@ def prompts(vocab: int) -> list[list[int]]:
     return [rng.integers(3, vocab, n).tolist() for n in (5, 37, 20, 3, 64)]
 
 
+def hf_model(folder):  # type: ignore[no-untyped-def]
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    return torch, model.eval()
+
+
+def hf_logprobs(folder, tokens: list[int]) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """transformers' log-softmax over `tokens` (float64), the reference of every check."""
+    torch, model = hf_model(folder)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
 def greedy_reference(folder, prompt: list[int], count: int) -> list[int]:  # type: ignore[no-untyped-def]
-    cfg = load_model_config(folder)
-    params = matmul_layout(load_params(folder, cfg, "float32"))
+    """transformers' forward pass, argmax, append: `count` greedy tokens (EOS is a token)."""
+    torch, model = hf_model(folder)
     tokens = list(prompt)
-    for _ in range(count):
-        ids = np.asarray(tokens, np.int32)
-        logits, _, _ = prefill_forward(params, ids, len(ids), cfg.rope_inv_freq(), cfg, True)
-        tokens.append(int(np.argmax(np.asarray(logits)[-1])))
+    with torch.no_grad():
+        for _ in range(count):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt) :]
 
 
@@ -116,14 +129,6 @@ def test_stop_tokens_max_tokens_and_abort(folder) -> None:  # type: ignore[no-un
     assert core.page_stats().free == core.page_stats().total
 
 
-def whole_prompt_logprobs(folder, prompt: list[int]) -> np.ndarray:  # type: ignore[no-untyped-def]
-    cfg = load_model_config(folder)
-    params = matmul_layout(load_params(folder, cfg, "float32"))
-    ids = np.asarray(prompt, np.int32)
-    logits, _, _ = prefill_forward(params, ids, len(ids), cfg.rope_inv_freq(), cfg, True)
-    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
-
-
 def test_prompt_logprobs_in_chunks_beside_decode_rows(folder) -> None:  # type: ignore[no-untyped-def]
     core = make(folder)
     ps = prompts(core.model_config.vocab_size)
@@ -133,7 +138,7 @@ def test_prompt_logprobs_in_chunks_beside_decode_rows(folder) -> None:  # type: 
     entries = events[0].prompt_logprobs
     assert entries is not None and events[1].prompt_logprobs is None
     assert len(entries) == len(long) and entries[0] is None
-    want = whole_prompt_logprobs(folder, long)
+    want = hf_logprobs(folder, long)
     for p, entry in enumerate(entries[1:], start=1):
         assert entry is not None and entry.token_id == long[p]
         np.testing.assert_allclose(entry.logprob, want[p - 1, long[p]], rtol=1e-4, atol=1e-4)
@@ -218,3 +223,22 @@ def test_a_step_takes_at_most_max_prefill_seqs_prompt_chunks(folder) -> None:  #
         widest = max(widest, len(chunks))
         core.scheduler.update(plan, core.runner.step(plan))
     assert widest == 2
+
+
+def test_a_prompt_chunk_runs_beside_every_decode_row(folder) -> None:  # type: ignore[no-untyped-def]
+    """A budget one chunk wide would hold a long prompt back until the decodes end: the core
+    shrinks its chunk to leave room for max_num_seqs decode rows."""
+    core = make(folder, max_num_batched_tokens=16, chunk_size=16)
+    assert core.chunk_size == 8  # 16 less 4 decode rows, in whole pages of 8
+    vocab = core.model_config.vocab_size
+    ps = prompts(vocab)
+    for seq in seqs_of(ps[:3], GREEDY, 40):
+        core.add(seq)
+    while any(len(s.output) == 0 for s in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    core.add(Sequence("long", tuple(range(3, 60)), GREEDY, 2))
+    plan = core.scheduler.schedule()
+    assert plan is not None
+    decodes = [r for r in plan.rows if len(r.chunk.tokens) == 1 and r.emits]
+    assert len(decodes) == 3 and len(plan.rows) == 4  # the long prompt's chunk among them
+    core.scheduler.update(plan, core.runner.step(plan))
