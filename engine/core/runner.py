@@ -169,8 +169,9 @@ def step_program(
         lambda c: c,
         counts,
     )
-    mine = counts.at[rows].get(mode="fill", fill_value=0)
-    out = sample(logits, sampling, generated, mine, generated, eos_mask)
+    # Only rows with penalties read their counts (a gather of every row's is a pass over
+    # (rows x vocab) that greedy steps would pay for nothing).
+    out = sample(logits, sampling, generated, counts, generated, eos_mask, count_rows=rows)
     counts = counts.at[rows, out.token].add(emits.astype(jnp.int32), mode="drop")
     return out, pages, counts, x
 

@@ -242,3 +242,18 @@ def test_a_prompt_chunk_runs_beside_every_decode_row(folder) -> None:  # type: i
     decodes = [r for r in plan.rows if len(r.chunk.tokens) == 1 and r.emits]
     assert len(decodes) == 3 and len(plan.rows) == 4  # the long prompt's chunk among them
     core.scheduler.update(plan, core.runner.step(plan))
+
+
+def test_penalties_read_their_own_sequences_counts(folder) -> None:  # type: ignore[no-untyped-def]
+    """A penalized sequence gets the same tokens alone (device row 0) and admitted after
+    three others (another row, beside rows with counts of their own)."""
+    ps = prompts(load_model_config(folder).vocab_size)
+    penalized = SamplingParams(temperature=0.0, seed=0, frequency_penalty=2.0, presence_penalty=1.0)
+
+    def tokens(seqs: list[Sequence]) -> list[int]:
+        return tokens_of(run(make(folder), seqs))["p"]
+
+    alone = tokens([Sequence("p", tuple(ps[1]), penalized, 12)])
+    assert alone != tokens([Sequence("p", tuple(ps[1]), GREEDY, 12)])  # the penalty matters
+    others = seqs_of(ps[2:5], GREEDY, 12)
+    assert tokens([*others, Sequence("p", tuple(ps[1]), penalized, 12)]) == alone
