@@ -312,6 +312,18 @@ def checkpoint(name_or_dir: str, context: int) -> tuple[Path, str]:
     return folder, name_or_dir
 
 
+def installed(specs: list[servers.ServerSpec]) -> tuple[list[servers.ServerSpec], list[dict]]:
+    """(the servers that can run here, a skipped entry for each that cannot)."""
+    runnable, skipped = [], []
+    for spec in specs:
+        reason = servers.missing(spec)
+        if reason:
+            skipped.append({"server": spec.name, "skipped": reason})
+        else:
+            runnable.append(spec)
+    return runnable, skipped
+
+
 def run_together(
     specs: list[servers.ServerSpec],
     model: Path,
@@ -323,14 +335,10 @@ def run_together(
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """--rounds 2+: start every server that can run, then bench_interleaved."""
-    skipped: list[dict[str, Any]] = []
+    runnable, skipped = installed(specs)
     with ExitStack() as stack:
         runnings = []
-        for spec in specs:
-            reason = servers.missing(spec)
-            if reason:
-                skipped.append({"server": spec.name, "skipped": reason})
-                continue
+        for spec in runnable:
             try:
                 started = servers.started(spec, model, served_name, args.max_slots, args.context)
                 runnings.append(stack.enter_context(started))
@@ -357,13 +365,7 @@ def run_alternating(
     first one rotating), sends it a warm-up, every level and the full-occupancy probe, and
     stops it before the next starts, so no server's idle threads share the cores with
     another's work. Each round has prompts of its own, the same for every server."""
-    runnable, out = [], []
-    for spec in specs:
-        reason = servers.missing(spec)
-        if reason:
-            out.append({"server": spec.name, "skipped": reason})
-        else:
-            runnable.append(spec)
+    runnable, out = installed(specs)
     per_level: dict[str, list[list[RunResult]]] = {s.name: [[] for _ in levels] for s in runnable}
     probes: dict[str, list[RunResult]] = {s.name: [] for s in runnable}
     warms: dict[str, RunResult] = {}

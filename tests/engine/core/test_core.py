@@ -13,6 +13,7 @@ from engine.config import load_model_config
 from engine.core.core import CoreConfig, EngineCore
 from engine.core.scheduler import Emitted, Sequence
 from engine.types import SamplingParams
+from tests.engine.conftest import run_core
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
@@ -50,16 +51,8 @@ def greedy_reference(folder, prompt: list[int], count: int) -> list[int]:  # typ
     return tokens[len(prompt) :]
 
 
-def run(core: EngineCore, seqs: list[Sequence], limit: int = 500) -> dict[str, list[Emitted]]:
-    out: dict[str, list[Emitted]] = {s.seq_id: [] for s in seqs}
-    for seq in seqs:
-        core.add(seq)
-    for _ in range(limit):
-        if not core.scheduler.busy:
-            return out
-        for event in core.step():
-            out[event.seq_id].append(event)
-    raise AssertionError("sequences did not finish")
+def run(core: EngineCore, seqs: list[Sequence]) -> dict[str, list[Emitted]]:
+    return run_core(core, seqs, limit=500)
 
 
 def tokens_of(events: dict[str, list[Emitted]]) -> dict[str, list[int]]:
