@@ -295,6 +295,10 @@ class EngineClient:
             prefix_cached_pages=stats.pages_cached,
             preemptions=stats.preemptions,
             kv_cache_bytes=0 if info is None else info.kv_cache_bytes,
+            spec_drafts=stats.spec_drafts,
+            spec_draft_tokens=stats.spec_draft_tokens,
+            spec_accepted_tokens=stats.spec_accepted_tokens,
+            spec_accepted_per_position=stats.spec_accepted_per_position,
         )
 
     # -- the receiver -------------------------------------------------------------------

@@ -238,3 +238,7 @@ class EngineStats:
     prefix_cached_pages: int = 0  # pages keeping a prefix block that no sequence holds
     preemptions: int = 0
     kv_cache_bytes: int = 0  # device memory of the KV pages, given once at start
+    spec_drafts: int = 0  # speculative decoding: sequence-steps that proposed drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # accepted drafts by their position

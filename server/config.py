@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.core.speculation import SpeculativeConfig
 from engine.faults import FaultPlan
 from engine.types import DTYPE_NAMES as DTYPES
 from server.tool_parsers import PARSERS as TOOL_PARSERS
@@ -40,6 +41,7 @@ class ServerConfig:
     prefill_chunk: int = 256  # a multiple of page_size (rounded down to one)
     page_size: int = 16
     prefix_caching: bool = True  # prompts share cached leading pages (vLLM's default)
+    speculative_config: str | None = None  # vLLM's JSON, e.g. {"method": "ngram", ...}
     max_model_len: int | None = None  # None: the checkpoint's (capped by the engine)
     dtype: str = "float32"
     # The KV cache's pages: this many bytes per device, else gpu_memory_utilization of each
@@ -147,6 +149,8 @@ class ServerConfig:
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(f"enable_auto_tool_choice needs tool_call_parser ({parsers})")
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if (self.prefill_devices is None) != (self.generate_devices is None):
@@ -249,6 +253,11 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "prefill_chunk": (int, "prompt positions one step computes of a prompt (page multiple)"),
     "page_size": (int, "positions per KV page"),
     "prefix_caching": (_switch, "share prompts' cached leading pages (default on)"),
+    "speculative_config": (
+        str,
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+    ),
     "max_model_len": (int, "context length: prompt + completion tokens"),
     "dtype": (str, "float32 or bfloat16"),
     "kv_cache_memory_bytes": (_byte_size, "KV pages' bytes per device, e.g. 8GiB"),

@@ -81,6 +81,7 @@ def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> An
         "memory_utilization": config.gpu_memory_utilization,
         "prefix_caching": config.prefix_caching,
         "tensor_parallel_size": config.tensor_parallel_size,
+        "speculative_config": config.speculative_config,
     }
     client = EngineClient(
         core,

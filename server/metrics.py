@@ -52,6 +52,12 @@ _SERIES: tuple[tuple[type[Metric], str, str, Callable[[EngineStats], float]], ..
     (CounterMetricFamily, "llm_num_preemptions",
      "Sequences preempted for pages (recomputed later)", lambda s: s.preemptions),
     (CounterMetricFamily, "llm_engine_steps", "Steps the engine core ran", lambda s: s.steps),
+    (CounterMetricFamily, "llm_spec_decode_num_drafts",
+     "Speculative decoding: sequence-steps that verified drafts", lambda s: s.spec_drafts),
+    (CounterMetricFamily, "llm_spec_decode_num_draft_tokens",
+     "Speculative decoding: draft tokens proposed", lambda s: s.spec_draft_tokens),
+    (CounterMetricFamily, "llm_spec_decode_num_accepted_tokens",
+     "Speculative decoding: draft tokens accepted", lambda s: s.spec_accepted_tokens),
 )  # fmt: skip
 
 
@@ -78,6 +84,14 @@ class _StatsCollector(Collector):
         if stats is not None:
             memory.add_metric(name + ["kv_cache"], stats.kv_cache_bytes)
         yield memory
+        per_position = CounterMetricFamily(
+            "llm_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by their position in the draft",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(() if stats is None else stats.spec_accepted_per_position):
+            per_position.add_metric(name + [str(position)], count)
+        yield per_position
 
 
 class EngineMetrics:

@@ -24,6 +24,7 @@ from engine.core.memory import KVBudget, pages_for_budget
 from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Launched, Runner, StepPlan
 from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
+from engine.core.speculation import SpeculativeConfig
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
 from engine.types import EngineLimits
 
@@ -50,6 +51,7 @@ class CoreConfig:
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
     devices: tuple[int, ...] | None = None  # ids; default the first tensor_parallel_size
+    speculative_config: str | None = None  # vLLM's JSON (engine.core.speculation)
 
     def __post_init__(self) -> None:
         if self.dtype not in NP_DTYPES:
@@ -63,11 +65,18 @@ class CoreConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.parse(self.speculative_config)
         if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
             raise ValueError(
                 f"devices {list(self.devices)} must be tensor_parallel_size "
                 f"({self.tensor_parallel_size}) ids"
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        text = self.speculative_config
+        return None if text is None else SpeculativeConfig.parse(text)
 
     def model_len(self, cfg: ModelConfig) -> int:
         if self.max_model_len is None:
@@ -127,6 +136,7 @@ class EngineCore:
                 chunk_size=chunk,
                 max_prefill_seqs=config.max_prefill_seqs,
                 vocab_size=cfg.vocab_size,
+                speculative=config.speculative,
             ),
             pool,
         )

@@ -30,6 +30,7 @@ from engine.core.messages import (
     TokenOut,
 )
 from engine.core.scheduler import Emitted, Sequence
+from engine.core.speculation import SpecCounters
 from engine.faults import InjectedFault
 from engine.types import TokenConstraint, TokenLogprobs
 
@@ -92,6 +93,7 @@ class CoreLoop:
     def stats(self) -> Stats:
         scheduler = self._core.scheduler
         pages = scheduler.pool.stats()
+        spec = SpecCounters() if scheduler.speculator is None else scheduler.speculator.counters
         return Stats(
             waiting=len(scheduler.waiting),
             running=len(scheduler.running),
@@ -102,6 +104,10 @@ class CoreLoop:
             prefix_queries=scheduler.prefix_queries,
             prefix_hits=scheduler.prefix_hits,
             preemptions=scheduler.preemptions,
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
         )
 
     def _handle(self, message: ToCore) -> tuple[str, str] | None:

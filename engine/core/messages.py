@@ -119,6 +119,10 @@ class Stats(msgspec.Struct, frozen=True):
     prefix_queries: int
     prefix_hits: int
     preemptions: int
+    spec_drafts: int = 0  # speculation (engine.core.speculation.SpecCounters)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 class Outputs(msgspec.Struct, frozen=True, tag=True):

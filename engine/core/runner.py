@@ -53,6 +53,12 @@ class RowWork:
     allowed: np.ndarray | None = None  # structured outputs: its next token's mask
     prompt_next: tuple[int, ...] = ()  # prompt logprobs: each position's next prompt token
     prompt_top: int = 0  # ...and how many alternatives each
+    drafts: tuple[int, ...] = ()  # speculation: tokens to verify after its one decode token
+
+    @property
+    def sample_rows(self) -> int:
+        """Rows of the step it is sampled in: its decode row and one per draft token."""
+        return 1 + len(self.drafts)
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,32 @@ class StepPlan:
 
     @property
     def tokens(self) -> int:
-        return sum(len(r.chunk.tokens) for r in self.rows)
+        return sum(len(r.chunk.tokens) + len(r.drafts) for r in self.rows)
+
+    @property
+    def sample_rows(self) -> int:
+        return sum(r.sample_rows for r in self.rows)
+
+    def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Each row's first token in the step, and its first sampled row."""
+        starts, rows, at, row = [], [], 0, 0
+        for r in self.rows:
+            starts.append(at)
+            rows.append(row)
+            at += len(r.chunk.tokens) + len(r.drafts)
+            row += r.sample_rows
+        return tuple(starts), tuple(rows)
+
+    def chunks(self) -> list[Chunk]:
+        """The step's sequences as attention sees them: a speculating row's decode token and
+        each of its drafts are sequences of one query over its pages, so every one of them
+        is an ordinary decode row (the bits it would have without speculation)."""
+        out = []
+        for r in self.rows:
+            c = r.chunk
+            out.append(c)
+            out += [Chunk((d,), c.start + 1 + j, c.pages) for j, d in enumerate(r.drafts)]
+        return out
 
 
 @dataclass(frozen=True)
@@ -80,6 +111,7 @@ class StepResult:
     top_ids: np.ndarray  # (rows, MAX_LOGPROBS) int32
     top_logprobs: np.ndarray  # (rows, MAX_LOGPROBS) float32
     starts: tuple[int, ...] = ()  # each row's first token in the step
+    sample_rows: tuple[int, ...] = ()  # each row's first sampled row (past a row's drafts)
     prompt: PromptLogprobs | None = None  # when some row asked for prompt logprobs
 
     def prompt_entries(self, row: int, work: RowWork) -> list[TokenLogprobs | None]:
@@ -293,14 +325,14 @@ class Runner:
 
     def prepare(self, plan: StepPlan) -> StepCall:
         """The plan's device work as host arrays, padded to its bucket (host only)."""
-        tokens, seqs = self.shapes.bucket(plan.tokens, len(plan.rows))
+        tokens, seqs = self.shapes.bucket(plan.tokens, plan.sample_rows)
         following = None
         if any(r.prompt_next for r in plan.rows):
             following = np.zeros(tokens, np.int32)
             start = 0
             for r in plan.rows:
                 following[start : start + len(r.prompt_next)] = r.prompt_next
-                start += len(r.chunk.tokens)
+                start += len(r.chunk.tokens) + len(r.drafts)
         recount = []
         for work in plan.rows:
             if work.prior:  # back after a preemption: its penalties count what it had
@@ -320,23 +352,28 @@ class Runner:
     ) -> StepCall:
         layout = self.layout
         batch = make_batch(
-            [r.chunk for r in plan.rows],
+            plan.chunks(),
             tokens=tokens,
             seqs=seqs,
             pages_per_seq=self.shapes.pages_per_seq,
             page_size=layout.page_size,
             num_pages=layout.num_pages,
         )
-        real = len(plan.rows)
+        real = plan.sample_rows
         rows = np.full(seqs, self.max_num_seqs, np.int32)  # padding: past the table
-        rows[:real] = [r.row for r in plan.rows]
         emits = np.zeros(seqs, bool)
-        emits[:real] = [r.emits for r in plan.rows]
         fresh = np.zeros(seqs, bool)
-        fresh[:real] = [r.fresh for r in plan.rows]
         generated = np.zeros(seqs, np.int32)
-        generated[:real] = [r.generated for r in plan.rows]
-        per_row = [self._sampling(r) for r in plan.rows] + [self._idle] * (seqs - real)
+        per_row = []
+        at = 0
+        for r in plan.rows:  # a draft's row: the key of the token it stands for, no count
+            n = r.sample_rows
+            rows[at : at + n] = r.row
+            emits[at], fresh[at] = r.emits, r.fresh
+            generated[at : at + n] = r.generated + np.arange(n)
+            per_row += [self._sampling(r)] * n
+            at += n
+        per_row += [self._idle] * (seqs - real)
         stacked = [np.stack(field) for field in zip(*per_row, strict=True)]
         sampling = SamplingArrays(*cast(list[jax.Array], stacked))  # host arrays, as jit takes
         return StepCall(batch, rows, emits, fresh, sampling, generated, recount, following)
@@ -367,21 +404,19 @@ class Runner:
 
     def collect(self, plan: StepPlan, launched: Launched) -> StepResult:
         """Wait for a launched step and copy what the plan's rows need to the host."""
-        real = len(plan.rows)
+        real = plan.sample_rows
         host = jax.device_get(launched.sampled)
         prompt = None
         if launched.prompt is not None:
             prompt = PromptLogprobs(*(np.asarray(a) for a in launched.prompt))
-        starts, at = [], 0
-        for r in plan.rows:
-            starts.append(at)
-            at += len(r.chunk.tokens)
+        starts, sample_rows = plan.offsets()
         return StepResult(
             tokens=np.asarray(host.token[:real]),
             logprobs=np.asarray(host.logprob[:real]),
             top_ids=np.asarray(host.top_ids[:real]),
             top_logprobs=np.asarray(host.top_logprobs[:real]),
-            starts=tuple(starts),
+            starts=starts,
+            sample_rows=sample_rows,
             prompt=prompt,
         )
 

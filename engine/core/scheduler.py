@@ -23,12 +23,18 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from engine.core.pages import PagePool
 from engine.core.runner import Chunk, RowWork, StepPlan, StepResult
+from engine.core.speculation import (
+    MAX_SPECULATIVE_TOKENS,
+    SpeculativeConfig,
+    Speculator,
+    average_accepted,
+)
 from engine.sampling import token_bitmask
 from engine.types import ConstraintMatcher, SamplingParams, TokenLogprobs
 
@@ -54,6 +60,7 @@ class Sequence:
     matcher: ConstraintMatcher | None = None  # structured outputs: where its grammar stands
     mask: np.ndarray | None = None  # the tokens its next sample may take (constrained only)
     prompt_entries: list[TokenLogprobs | None] = field(default_factory=list)
+    accepted_average: float = MAX_SPECULATIVE_TOKENS  # speculation: drafts it has accepted
 
     def __post_init__(self) -> None:
         self._tokens = list(self.prompt) + self.output  # prompt then output, grown in place
@@ -103,6 +110,7 @@ class SchedulerConfig:
     chunk_size: int  # prompt positions per chunk, a multiple of the page size
     max_prefill_seqs: int = 0  # prompt chunks per step (0: as many as the budget takes)
     vocab_size: int = 0  # for allowed_token_ids' masks (0: no masks)
+    speculative: SpeculativeConfig | None = None  # drafts for decode rows (None: none)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_size"):
@@ -141,6 +149,8 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's)
         self.prefix_hits = 0  # of those, found
         self.preemptions = 0
+        spec = config.speculative
+        self.speculator = None if spec is None else Speculator(spec)
 
     # -- requests -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -219,6 +229,8 @@ class Scheduler:
             planned.append(seq)
             budget -= n
             chunks -= 1
+        if self.speculator is not None:
+            work = self._speculate(work, planned, budget)
         self._plan = planned
         if not work and self.busy:
             raise RuntimeError("the scheduler planned nothing while sequences wait")
@@ -226,47 +238,119 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
         """Take a step's sampled tokens: advance each sequence, finish those that end."""
-        events = []
+        events: list[Emitted] = []
         for i, (seq, work) in enumerate(zip(self._plan, plan.rows, strict=True)):
+            if work.drafts:
+                events += self._verify(seq, work, result, result.sample_rows[i])
+                continue
             seq.computed += len(work.chunk.tokens)
             self.pool.register(seq.pages, seq.tokens, seq.computed)
             if work.prompt_next:
                 seq.prompt_entries += result.prompt_entries(i, work)
-            if not work.emits:
-                continue
-            token = int(result.tokens[i])
-            first = not seq.output
-            seq.append(token)
-            done, error = self._advance_grammar(seq, token)
-            reason = "stop" if done else self._finish_reason(seq, token)
-            if error is not None:
-                reason = "stop"
-            top: tuple[tuple[int, float], ...] = ()
-            if seq.sampling.logprobs is not None:
-                pairs = zip(result.top_ids[i], result.top_logprobs[i], strict=True)
-                top = tuple((int(t), float(p)) for t, p in pairs)
-            prompt = None
-            if first and seq.prompt_logprobs is not None:
-                prompt = (None, *seq.prompt_entries)
-            events.append(
-                Emitted(
-                    seq.seq_id,
-                    token,
-                    float(result.logprobs[i]),
-                    reason,
-                    top,
-                    cached_tokens=seq.cached_tokens if first else 0,
-                    prompt_logprobs=prompt,
-                    done=done,
-                    error=error,
-                    scheduled=seq.scheduled if first else None,
-                )
-            )
-            if reason is not None:
-                self.running.remove(seq)
-                self._release(seq)
+            if work.emits:
+                event = self._take(seq, result, result.sample_rows[i])
+                events.append(event)
+                if event.finish_reason is not None:
+                    self._finish(seq)
         self._plan = []
         return events
+
+    def _take(self, seq: Sequence, result: StepResult, at: int) -> Emitted:
+        """Sample row `at` of the result is seq's next token: append it and say so."""
+        token = int(result.tokens[at])
+        first = not seq.output
+        seq.append(token)
+        done, error = self._advance_grammar(seq, token)
+        reason = "stop" if done or error is not None else self._finish_reason(seq, token)
+        top: tuple[tuple[int, float], ...] = ()
+        if seq.sampling.logprobs is not None:
+            pairs = zip(result.top_ids[at], result.top_logprobs[at], strict=True)
+            top = tuple((int(t), float(p)) for t, p in pairs)
+        prompt = None
+        if first and seq.prompt_logprobs is not None:
+            prompt = (None, *seq.prompt_entries)
+        return Emitted(
+            seq.seq_id,
+            token,
+            float(result.logprobs[at]),
+            reason,
+            top,
+            cached_tokens=seq.cached_tokens if first else 0,
+            prompt_logprobs=prompt,
+            done=done,
+            error=error,
+            scheduled=seq.scheduled if first else None,
+        )
+
+    def _verify(self, seq: Sequence, work: RowWork, result: StepResult, at: int) -> list[Emitted]:
+        """A speculating row: its tokens are the sampled ones up to and including the
+        first that differs from its draft; the K/V of the inputs before that one stay,
+        the pages past its tokens go back (engine.core.speculation)."""
+        drafts = work.drafts
+        sampled = result.tokens[at : at + len(drafts) + 1]
+        accepted = 0
+        while accepted < len(drafts) and int(sampled[accepted]) == drafts[accepted]:
+            accepted += 1
+        assert self.speculator is not None
+        self.speculator.counters.record(len(drafts), accepted)
+        seq.accepted_average = average_accepted(seq.accepted_average, len(drafts), accepted)
+        events = []
+        for j in range(accepted + 1):
+            event = self._take(seq, result, at + j)
+            events.append(event)
+            if event.finish_reason is not None:
+                self._finish(seq)
+                return events
+        seq.computed += accepted + 1
+        self.pool.register(seq.pages, seq.tokens, seq.computed)
+        keep = -(-len(seq.tokens) // self.pool.page_size)
+        if len(seq.pages) > keep:
+            self.pool.free(seq.pages[keep:])
+            del seq.pages[keep:]
+        return events
+
+    def _finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+
+    def _speculate(
+        self, work: list[RowWork], planned: list[Sequence], budget: int
+    ) -> list[RowWork]:
+        """Drafts for decode rows, in admission order, within the rows and tokens the step
+        has left (a full batch has none) and the pages free without preempting anyone."""
+        assert self.speculator is not None
+        room = min(self.config.max_num_seqs - len(work), budget)
+        out = list(work)
+        for i, (seq, row) in enumerate(zip(planned, work, strict=True)):
+            if room <= 0:
+                break
+            if len(row.chunk.tokens) != 1 or not row.emits or not self._may_speculate(seq):
+                continue
+            k = min(
+                room,
+                self.speculator.budget(seq.accepted_average),
+                seq.max_tokens - len(seq.output) - 1,
+                self.config.max_model_len - len(seq.tokens) - 1,
+            )
+            drafts = self.speculator.propose(seq.tokens, k) if k > 0 else []
+            if not drafts or not self._reserve(seq, seq.computed + 1 + len(drafts), None):
+                continue
+            chunk = replace(row.chunk, pages=tuple(seq.pages))
+            out[i] = replace(row, chunk=chunk, drafts=tuple(drafts))
+            room -= len(drafts)
+        return out
+
+    @staticmethod
+    def _may_speculate(seq: Sequence) -> bool:
+        """Penalties read counts of the tokens before each position, and a grammar's mask
+        depends on them: those sequences decode one token a step."""
+        s = seq.sampling
+        return (
+            bool(seq.output)
+            and seq.matcher is None
+            and s.presence_penalty == 0
+            and s.frequency_penalty == 0
+        )
 
     # -- helpers ------------------------------------------------------------------------
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -13,33 +13,45 @@ from hypothesis import strategies as st
 from engine.core.pages import PagePool
 from engine.core.runner import StepPlan, StepResult
 from engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from engine.core.speculation import SpeculativeConfig
 from engine.types import MAX_LOGPROBS, SamplingParams
 
 VOCAB = 97
 PAGE = 4
 
 
+def next_token(token: int, position: int, looping: bool = False) -> int:
+    """The fake model: (last token * 31 + position) % VOCAB, or, looping, a function of the
+    last token alone (it falls into short cycles, where n-gram drafts are right)."""
+    return (token * 7 + 3) % 13 if looping else (token * 31 + position) % VOCAB
+
+
 class FakeRunner:
-    """Samples (last token * 31 + position) % VOCAB for each emitting row."""
+    """Samples `next_token` for each sampled row (a speculating row's drafts each one too)."""
+
+    def __init__(self, looping: bool = False) -> None:
+        self.looping = looping
 
     def step(self, plan: StepPlan) -> StepResult:
         tokens = [
-            (r.chunk.tokens[-1] * 31 + r.chunk.start + len(r.chunk.tokens)) % VOCAB
-            for r in plan.rows
+            next_token(c.tokens[-1], c.start + len(c.tokens), self.looping) for c in plan.chunks()
         ]
-        n = len(plan.rows)
+        n = len(tokens)
+        starts, sample_rows = plan.offsets()
         return StepResult(
             tokens=np.asarray(tokens, np.int32),
             logprobs=np.zeros(n, np.float32),
             top_ids=np.zeros((n, MAX_LOGPROBS), np.int32),
             top_logprobs=np.zeros((n, MAX_LOGPROBS), np.float32),
+            starts=starts,
+            sample_rows=sample_rows,
         )
 
 
-def alone(prompt: list[int], max_tokens: int) -> list[int]:
+def alone(prompt: list[int], max_tokens: int, looping: bool = False) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append((tokens[-1] * 31 + len(tokens)) % VOCAB)
+        tokens.append(next_token(tokens[-1], len(tokens), looping))
     return tokens[len(prompt) :]
 
 
@@ -64,14 +76,21 @@ requests = st.lists(
     spare=st.integers(0, 20),
     prefill_seqs=st.integers(1, 3),
     shared=st.booleans(),
+    looping=st.booleans(),
+    drafts=st.sampled_from([0, 1, 3]),
 )
 def test_random_workloads_end_with_their_own_tokens(
-    reqs, seqs, budget, spare, prefill_seqs, shared
+    reqs, seqs, budget, spare, prefill_seqs, shared, looping, drafts
 ) -> None:  # type: ignore[no-untyped-def]
+    """...with n-gram speculation too (drafts > 0): its steps keep the same bounds, a
+    draft's positions have pages, and every sequence still gets its own tokens."""
     max_len = 56
     pool = PagePool(max_len // PAGE + spare, PAGE)
-    config = SchedulerConfig(seqs, budget, max_len, 8, prefill_seqs, VOCAB)
-    scheduler, runner = Scheduler(config, pool), FakeRunner()
+    spec = None
+    if drafts:
+        spec = SpeculativeConfig("ngram", drafts, prompt_lookup_max=3, prompt_lookup_min=1)
+    config = SchedulerConfig(seqs, budget, max_len, 8, prefill_seqs, VOCAB, spec)
+    scheduler, runner = Scheduler(config, pool), FakeRunner(looping)
     if shared:  # every prompt starts the same way: prefix-cache hits
         reqs = [([5, 6, 7, 8, 9, 10, 11, 12, *p], n, t, a) for p, n, t, a in reqs]
     reqs = [(p[: max_len - 1 - 12], n, t, a) for p, n, t, a in reqs]
@@ -94,11 +113,11 @@ def test_random_workloads_end_with_their_own_tokens(
         if plan is None:
             continue
         assert plan.tokens <= budget
-        assert len(plan.rows) <= seqs
+        assert plan.sample_rows <= seqs
         assert sum(1 for r in plan.rows if len(r.chunk.tokens) > 1 or not r.emits) <= (prefill_seqs)
         holders = {p for r in plan.rows for p in r.chunk.pages}
         for r in plan.rows:
-            end = r.chunk.start + len(r.chunk.tokens)
+            end = r.chunk.start + len(r.chunk.tokens) + len(r.drafts)
             assert len(r.chunk.pages) * PAGE >= end
             assert all(pool.refcount(p) > 0 for p in r.chunk.pages)
         assert len(holders) <= pool.num_pages
@@ -110,7 +129,11 @@ def test_random_workloads_end_with_their_own_tokens(
     assert stats.free == stats.total  # every page is back (some cached)
     for i, (prompt, n, _, _) in enumerate(reqs):
         if f"r{i}" not in aborted:
-            assert got[f"r{i}"] == alone(prompt, n), i
+            assert got[f"r{i}"] == alone(prompt, n, looping), i
+    if scheduler.speculator is not None:
+        counters = scheduler.speculator.counters
+        assert counters.accepted_tokens == sum(counters.accepted_per_position)
+        assert counters.accepted_tokens <= counters.draft_tokens
 
 
 def test_two_long_prompts_that_cannot_both_fit_do_not_deadlock() -> None:
