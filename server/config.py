@@ -238,6 +238,12 @@ def _switch(text: str) -> bool:
     raise ValueError(f"must be true or false, got {text!r}")
 
 
+def _speculative(text: str) -> str:
+    """vLLM's speculative config as JSON text, checked here (the core parses it again)."""
+    SpeculativeConfig.parse(text)
+    return text
+
+
 # flag name -> (parser from text, help)
 _FLAGS: dict[str, tuple[object, str]] = {
     "model": (_optional_path, "local Hugging Face checkpoint folder (default: embedded demo)"),
@@ -254,7 +260,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "page_size": (int, "positions per KV page"),
     "prefix_caching": (_switch, "share prompts' cached leading pages (default on)"),
     "speculative_config": (
-        str,
+        _speculative,
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}',
     ),
