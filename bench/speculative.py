@@ -1,0 +1,123 @@
+"""Speculative decoding (n-gram) against the same server without it, through HTTP.
+
+Run: `python -m bench.speculative --model 100m [--context 512] [--max-num-seqs 32]
+[--rounds 2] [--config JSON] [--json PATH]`. --model is a checkpoint folder or a name
+bench.models builds.
+
+Two servers, ours without and with `--speculative-config` (default n-gram, 4 tokens, lookup
+1-3), one up at a time, the order alternating from round to round. Each runs:
+- `copy`, c = 1: 6 greedy requests one after another, random 64-token prompts, 128 tokens
+  out (ignore_eos). The benchmark checkpoints have random weights and greedy decoding
+  falls into loops in them: the copy-heavy case, where n-gram drafts are right. TPOT
+  per request: (last chunk - first chunk) / (tokens - 1), median.
+- `random`, c = 32: the random_64 workload (128 random tokens in, 64 out, 4 x 32 requests):
+  output tokens/s.
+Then the server's spec_decode counters (/metrics): drafts, draft tokens, accepted tokens.
+Reported: TPOT at c = 1 and tokens/s at c = 32, speculation over none, per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.loadgen import Target, run_requests
+from bench.run_serving import checkpoint
+from bench.servers import ServerSpec, ours, started
+from bench.workload import RequestSpec
+
+DEFAULT_CONFIG = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
+    '"prompt_lookup_min": 1}'
+)
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def prompts(rng: np.random.Generator, vocab: int, count: int, tokens: int, out: int) -> list:
+    return [
+        RequestSpec(i, tuple(int(t) for t in rng.integers(10, vocab - 10, tokens)), out)
+        for i in range(count)
+    ]
+
+
+def spec_counters(base_url: str) -> dict[str, float]:
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    out = {}
+    for name in COUNTERS:
+        found = re.search(rf"^llm_spec_decode_{name}(?:_total)?\{{[^}}]*\}} (\S+)$", text, re.M)
+        out[name] = float(found.group(1)) if found else 0.0
+    return out
+
+
+def one_server(running_url: str, name: str, copy: list, random: list) -> dict[str, Any]:
+    target = Target(running_url + "/v1", name)
+    asyncio.run(run_requests(target, copy[:1], concurrency=1, deadline_s=600))  # warm
+    before = spec_counters(running_url)
+    copied = asyncio.run(run_requests(target, copy, concurrency=1, deadline_s=900))
+    tpots = [r.tpot_s for r in copied.records if r.ok and r.tpot_s is not None]
+    spread = asyncio.run(run_requests(target, random, concurrency=32, deadline_s=900))
+    failed = [r.error for r in copied.records + spread.records if r.error]
+    if failed:
+        raise RuntimeError(f"requests failed: {failed[:3]}")
+    after = spec_counters(running_url)
+    tokens = sum(r.output_tokens for r in spread.records)
+    return {
+        "tpot_c1_ms": statistics.median(tpots) * 1e3,
+        "tok_per_s_c32": tokens / spread.duration_s,
+        **{k: after[k] - before[k] for k in COUNTERS},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="100m")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="--speculative-config JSON")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    folder, name = checkpoint(args.model, args.context)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    plain = ours()
+    escaped = args.config.replace("{", "{{").replace("}", "}}")  # argv is a format template
+    ngram = ServerSpec(
+        "ngram", (*plain.argv, "--speculative-config", escaped), plain.ready_path, plain.env
+    )
+    rng = np.random.default_rng(0)
+    copy = prompts(rng, vocab, 6, 64, 128)
+    random = prompts(rng, vocab, 4 * 32, 128, 64)
+    rounds: list[dict[str, Any]] = []
+    for k in range(args.rounds):
+        order = (plain, ngram) if k % 2 == 0 else (ngram, plain)
+        result: dict[str, Any] = {}
+        for spec in order:
+            with started(spec, folder, name, args.max_num_seqs, args.context) as running:
+                result[spec.name] = one_server(running.base_url, name, copy, random)
+        result["tpot_c1_ngram_over_none"] = (
+            result["ngram"]["tpot_c1_ms"] / (result["ours"]["tpot_c1_ms"])
+        )
+        result["tok_per_s_c32_ngram_over_none"] = (
+            result["ngram"]["tok_per_s_c32"] / (result["ours"]["tok_per_s_c32"])
+        )
+        rounds.append(result)
+        print(json.dumps({"round": k, **result}), flush=True)
+    report = {"model": name, "context": args.context, "config": args.config, "rounds": rounds}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
