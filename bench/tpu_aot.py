@@ -62,7 +62,8 @@ from engine.attention.tpu import PallasAttention, kv_pages_per_block, queries_pe
 from engine.core.runner import Shapes, prompt_logprobs_program, step_program
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
 from engine.paged_model import StepBatch
-from engine.sampling import SamplingArrays, host_arrays, mask_words
+from engine.sampling import SamplingArrays, host_arrays
+from engine.token_mask import mask_words
 from engine.types import MAX_LOGIT_BIAS, SamplingParams
 
 GIB = 1 << 30

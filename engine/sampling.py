@@ -10,7 +10,6 @@ the same token whatever shares its batch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from engine.token_mask import token_bitmask
 from engine.types import INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 CANDIDATES = 64  # top-k / top-p thresholds within this many best tokens avoid a bisection
@@ -38,22 +38,6 @@ class SamplingArrays(NamedTuple):
     bias_values: jax.Array  # (MAX_LOGIT_BIAS,) float32; padding 0
     allowed: jax.Array  # (mask_words(vocab),) int32 allowed-token bitmask; all ones: every token
     masked: jax.Array  # bool: the bitmask restricts this row
-
-
-def mask_words(vocab_size: int) -> int:
-    """int32 words of an allowed-token bitmask: token t is bit t % 32 of word t // 32."""
-    return -(-vocab_size // 32)
-
-
-def token_bitmask(allowed: Sequence[int] | None, vocab_size: int) -> np.ndarray:
-    """The allowed-token bitmask of these ids (None: every token), as int32 words."""
-    words = mask_words(vocab_size)
-    if allowed is None:
-        return np.full((words,), -1, np.int32)
-    bits = np.zeros((words * 32,), bool)
-    bits[np.asarray(allowed, np.int64)] = True
-    packed = np.packbits(bits.reshape(words, 32), axis=-1, bitorder="little")
-    return np.ascontiguousarray(packed).view("<i4")[:, 0].astype(np.int32)
 
 
 def allowed_words(sampling: SamplingParams, vocab_size: int) -> np.ndarray:

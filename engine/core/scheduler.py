@@ -35,7 +35,7 @@ from engine.core.speculation import (
     Speculator,
     average_accepted,
 )
-from engine.sampling import token_bitmask
+from engine.token_mask import token_bitmask
 from engine.types import ConstraintMatcher, SamplingParams, TokenLogprobs
 
 

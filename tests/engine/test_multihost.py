@@ -31,7 +31,7 @@ from engine.core.core import CoreConfig, EngineCore
 from engine.core.runner import RowWork, StepCall, StepPlan
 from engine.multihost import ChannelError, Hello, Pages, Setup, Step, Stop, frame
 from engine.paged_model import Chunk
-from engine.sampling import token_bitmask
+from engine.token_mask import token_bitmask
 from engine.types import SamplingParams
 
 CONFIG = dict(

@@ -10,7 +10,7 @@ import llguidance
 import numpy as np
 import pytest
 
-from engine.sampling import mask_words, token_bitmask
+from engine.token_mask import mask_words, token_bitmask
 from tokenization import Tokenizer
 from tokenization.grammar import MAX_SPEC_CHARS, GrammarCompiler, GrammarError, GrammarSpec
 

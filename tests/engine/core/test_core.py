@@ -148,7 +148,7 @@ class Only:
     """A constraint that allows `allowed` tokens and is complete after `length` of them."""
 
     def __init__(self, allowed: list[int], length: int, vocab: int) -> None:
-        from engine.sampling import token_bitmask
+        from engine.token_mask import token_bitmask
 
         self.mask = token_bitmask(allowed, vocab)
         self.length = length
