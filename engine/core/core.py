@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.attention import KVLayout, attention_backend
 from engine.checkpoint import NP_DTYPES
 from engine.config import ModelConfig, load_model_config, tensor_parallel
+from engine.core.draft import DraftProposer, build_draft, draft_config
 from engine.core.memory import KVBudget, pages_for_budget
 from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Launched, Runner, StepPlan
@@ -116,18 +117,44 @@ class EngineCore:
         chunk -= chunk % config.page_size
         self.chunk_size = chunk
         params = place_checkpoint_params(config.model_path, cfg, config.dtype, self.mesh)
+        spec = config.speculative
+        draft_cfg, draft_params = None, None
+        if spec is not None and spec.model is not None:  # placed before the pages are counted
+            if agree_pages is not None:
+                raise ValueError("a draft model is not supported with multi-host serving yet")
+            draft_cfg = draft_config(spec.model, cfg, config.tensor_parallel_size)
+            draft_params = place_checkpoint_params(spec.model, draft_cfg, config.dtype, self.mesh)
+        layers = cfg.num_layers  # a page holds every layer's K/V, the draft's layers' too
+        if draft_cfg is not None:
+            draft_probe = replace(
+                probe, kv_heads=draft_cfg.num_kv_heads, head_dim=draft_cfg.head_dim
+            )
+            layers += -(-draft_cfg.num_layers * draft_probe.page_bytes // probe.page_bytes)
         budget = KVBudget(
             num_pages=config.num_pages,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             memory_utilization=config.memory_utilization,
             default_pages=config.max_num_seqs * -(-max_len // config.page_size),
         )
-        count = functools.partial(pages_for_budget, budget, probe, cfg.num_layers, self.mesh)
+        count = functools.partial(pages_for_budget, budget, probe, layers, self.mesh)
         num_pages = count() if agree_pages is None else agree_pages(count)
         layout = KVLayout(
             num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.dtype, fold
         )
         pool = PagePool(num_pages, config.page_size, prefix_caching=config.prefix_caching)
+        self.draft: DraftProposer | None = None
+        if draft_cfg is not None and draft_params is not None:
+            self.draft = build_draft(
+                draft_params,
+                draft_cfg,
+                replace(layout, kv_heads=draft_cfg.num_kv_heads, head_dim=draft_cfg.head_dim),
+                self.mesh,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                chunk_size=chunk,
+                max_prefill_seqs=config.max_prefill_seqs,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -136,9 +163,10 @@ class EngineCore:
                 chunk_size=chunk,
                 max_prefill_seqs=config.max_prefill_seqs,
                 vocab_size=cfg.vocab_size,
-                speculative=config.speculative,
+                speculative=spec,
             ),
             pool,
+            self.draft,
         )
         attention = attention_backend(
             platform, layout, self.mesh, chunk_size=chunk, max_prefill_seqs=config.max_prefill_seqs
@@ -181,6 +209,8 @@ class EngineCore:
 
     def warmup(self) -> None:
         self.runner.warmup()
+        if self.draft is not None:
+            self.draft.runner.warmup()
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -203,7 +233,10 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan is None:
             return None
-        return Pending(plan, self.runner.execute(self.runner.prepare(plan)))
+        launched = self.runner.execute(self.runner.prepare(plan))
+        if self.draft is not None:
+            self.draft.follow(plan)
+        return Pending(plan, launched)
 
     def finish(self, pending: Pending) -> list[Emitted]:
         """Wait for a launched step and take its tokens."""

@@ -31,6 +31,9 @@ from engine.core.pages import PagePool
 from engine.core.runner import Chunk, RowWork, StepPlan, StepResult
 from engine.core.speculation import (
     MAX_SPECULATIVE_TOKENS,
+    DraftRequest,
+    NgramProposer,
+    Proposer,
     SpeculativeConfig,
     Speculator,
     average_accepted,
@@ -128,7 +131,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
+    def __init__(
+        self, config: SchedulerConfig, pool: PagePool, proposer: Proposer | None = None
+    ) -> None:
+        """`proposer`: where speculative drafts come from (default: n-gram lookup)."""
         if config.chunk_size % pool.page_size:
             raise ValueError(
                 f"chunk_size {config.chunk_size} must be a multiple of the page size "
@@ -150,7 +156,11 @@ class Scheduler:
         self.prefix_hits = 0  # of those, found
         self.preemptions = 0
         spec = config.speculative
-        self.speculator = None if spec is None else Speculator(spec)
+        self.speculator = None
+        if spec is not None:
+            if proposer is None and spec.method != "ngram":
+                raise ValueError(f"speculative method {spec.method} needs its proposer")
+            self.speculator = Speculator(spec, proposer or NgramProposer(spec))
 
     # -- requests -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -303,10 +313,7 @@ class Scheduler:
                 return events
         seq.computed += accepted + 1
         self.pool.register(seq.pages, seq.tokens, seq.computed)
-        keep = -(-len(seq.tokens) // self.pool.page_size)
-        if len(seq.pages) > keep:
-            self.pool.free(seq.pages[keep:])
-            del seq.pages[keep:]
+        self._trim(seq, len(seq.tokens))
         return events
 
     def _finish(self, seq: Sequence) -> None:
@@ -317,10 +324,11 @@ class Scheduler:
         self, work: list[RowWork], planned: list[Sequence], budget: int
     ) -> list[RowWork]:
         """Drafts for decode rows, in admission order, within the rows and tokens the step
-        has left (a full batch has none) and the pages free without preempting anyone."""
+        has left (a full batch has none) and the pages free without preempting anyone;
+        pages a shorter draft does not use go back."""
         assert self.speculator is not None
         room = min(self.config.max_num_seqs - len(work), budget)
-        out = list(work)
+        asked: list[tuple[int, DraftRequest]] = []
         for i, (seq, row) in enumerate(zip(planned, work, strict=True)):
             if room <= 0:
                 break
@@ -332,13 +340,29 @@ class Scheduler:
                 seq.max_tokens - len(seq.output) - 1,
                 self.config.max_model_len - len(seq.tokens) - 1,
             )
-            drafts = self.speculator.propose(seq.tokens, k) if k > 0 else []
-            if not drafts or not self._reserve(seq, seq.computed + 1 + len(drafts), None):
+            if k <= 0 or not self._reserve(seq, seq.computed + 1 + k, None):
                 continue
-            chunk = replace(row.chunk, pages=tuple(seq.pages))
-            out[i] = replace(row, chunk=chunk, drafts=tuple(drafts))
-            room -= len(drafts)
+            asked.append(
+                (i, DraftRequest(seq.tokens, seq.computed, tuple(seq.pages), seq.row or 0, k))
+            )
+            room -= k
+        out = list(work)
+        drafts = self.speculator.proposer.propose([r for _, r in asked]) if asked else []
+        for (i, _), draft in zip(asked, drafts, strict=True):
+            seq = planned[i]
+            self._trim(seq, seq.computed + 1 + len(draft))
+            if draft:
+                chunk = replace(work[i].chunk, pages=tuple(seq.pages))
+                out[i] = replace(work[i], chunk=chunk, drafts=tuple(draft))
         return out
+
+    def _trim(self, seq: Sequence, positions: int) -> None:
+        """Give back seq's pages past those `positions` need (never a registered one: those
+        hold positions it has computed)."""
+        keep = -(-positions // self.pool.page_size)
+        if len(seq.pages) > keep:
+            self.pool.free(seq.pages[keep:])
+            del seq.pages[keep:]
 
     @staticmethod
     def _may_speculate(seq: Sequence) -> bool:

@@ -1,11 +1,12 @@
 """Speculative decoding's proposals: vLLM's `--speculative-config`, n-gram prompt lookup,
-and the per-sequence backoff.
+the `Proposer` seam (n-gram here, a draft model in engine.core.draft) and the
+per-sequence backoff.
 
 Runs on: the engine core's scheduler loop (engine.core.scheduler asks it; it holds no
 state of its own but the counters). Owns: `SpeculativeConfig` (parsed and validated
 once), `propose_ngram` (a pure function of a sequence's tokens), how many tokens a
 sequence may propose (`Speculator.budget`, from its acceptance so far) and the
-`SpecCounters` vLLM's metrics read. Receives a sequence's tokens; emits draft tokens.
+`SpecCounters` vLLM's metrics read. Receives `DraftRequest`s; emits draft tokens.
 
 How drafts are verified (engine.core.scheduler, engine.core.runner): a speculating
 sequence's next input and its k drafts run in one step as k + 1 decode rows over the
@@ -24,32 +25,45 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-METHODS = ("ngram",)
+if TYPE_CHECKING:  # the runner imports jax: the HTTP process reads this module without it
+    from engine.core.runner import StepPlan
+
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
-_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+_KEYS = {
+    "ngram": frozenset(
+        {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    ),
+    "draft_model": frozenset({"method", "num_speculative_tokens", "model"}),
+}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative config: `{"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n, "prompt_lookup_min": m}`."""
+    "prompt_lookup_max": n, "prompt_lookup_min": m}`, or `{"method": "draft_model",
+    "model": PATH, "num_speculative_tokens": k}` (a local checkpoint with the target's
+    vocabulary)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = DEFAULT_LOOKUP
     prompt_lookup_min: int = DEFAULT_LOOKUP
+    model: str | None = None  # draft_model: the draft's checkpoint folder
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            hint = " (a draft model is not supported yet)" if self.method == "draft_model" else ""
             raise ValueError(
                 f"speculative_config method must be one of {', '.join(METHODS)}, "
-                f"got {self.method!r}{hint}"
+                f"got {self.method!r}"
             )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config takes model with method draft_model, and needs it")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"speculative_config num_speculative_tokens must be in "
@@ -70,21 +84,37 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object: {exc}") from exc
         if not isinstance(data, dict):
             raise ValueError("speculative_config must be a JSON object")
-        unknown = sorted(set(data) - _KEYS)
-        if unknown:
-            raise ValueError(f"speculative_config does not support {', '.join(unknown)}")
-        for key, value in data.items():
-            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"speculative_config {key} must be an integer, got {value!r}")
         if "method" not in data or "num_speculative_tokens" not in data:
             raise ValueError("speculative_config needs method and num_speculative_tokens")
+        method = data["method"]
+        known = _KEYS.get(method) if isinstance(method, str) else None
+        if known is None:
+            raise ValueError(
+                f"speculative_config method must be one of {', '.join(METHODS)}, got {method!r}"
+            )
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config does not support {', '.join(unknown)} with method {method}"
+            )
+        for key, value in data.items():
+            if key == "model" and not (isinstance(value, str) and value):
+                raise ValueError(f"speculative_config model must be a folder, got {value!r}")
+            if key not in ("method", "model") and (
+                not isinstance(value, int) or isinstance(value, bool)
+            ):
+                raise ValueError(f"speculative_config {key} must be an integer, got {value!r}")
+        if method == "draft_model":
+            if "model" not in data:
+                raise ValueError("speculative_config needs model with method draft_model")
+            return cls(method, data["num_speculative_tokens"], model=data["model"])
         high: int | None = data.get("prompt_lookup_max")
         low: int | None = data.get("prompt_lookup_min")
         if high is None:  # vLLM's: a bound not given is the other one, else both 5
             high = DEFAULT_LOOKUP if low is None else low
         if low is None:
             low = high
-        return cls(str(data["method"]), data["num_speculative_tokens"], high, low)
+        return cls(method, data["num_speculative_tokens"], high, low)
 
 
 def propose_ngram(tokens: Sequence[int], k: int, low: int, high: int) -> list[int]:
@@ -128,6 +158,47 @@ class SpecCounters:
             self.accepted_per_position[j] += 1
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """A decode row that may speculate: the sequence's tokens (the last is this step's
+    input, at position `start`), its pages (enough for start + k + 1 positions), its
+    device row, and at most how many tokens to propose."""
+
+    tokens: Sequence[int]
+    start: int
+    pages: tuple[int, ...]
+    row: int
+    k: int
+
+
+class Proposer(Protocol):
+    """Where drafts come from: n-gram lookup on the host, or a draft model's steps."""
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Up to request.k tokens for each request (fewer, or none, where it has none)."""
+        ...
+
+    def follow(self, plan: StepPlan) -> None:
+        """The target runs this plan: a draft model writes its own K/V for its tokens."""
+        ...
+
+
+class NgramProposer:
+    """n-gram prompt lookup (`propose_ngram`): host only, nothing to follow."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        c = self.config
+        return [
+            propose_ngram(r.tokens, r.k, c.prompt_lookup_min, c.prompt_lookup_max) for r in requests
+        ]
+
+    def follow(self, plan: StepPlan) -> None:
+        return None
+
+
 @dataclass
 class Speculator:
     """Proposes drafts for the scheduler's decode rows and keeps the counters.
@@ -138,14 +209,11 @@ class Speculator:
     """
 
     config: SpeculativeConfig
+    proposer: Proposer
     counters: SpecCounters = field(default_factory=SpecCounters)
 
     def budget(self, accepted_average: float) -> int:
         return min(self.config.num_speculative_tokens, int(accepted_average) + 1)
-
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        c = self.config
-        return propose_ngram(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
 
 def average_accepted(previous: float, proposed: int, accepted: int) -> float:

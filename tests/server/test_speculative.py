@@ -1,10 +1,11 @@
-"""Speculative decoding through the real server: --speculative-config, the same greedy and
-seeded text as a server without it (openai SDK, streamed and not), a stop string inside a
-run of accepted drafts, vLLM's spec_decode counters in /metrics, and a bad config refused
-at start naming the flag."""
+"""Speculative decoding through the real server: --speculative-config (n-gram and a draft
+model), the same greedy and seeded text as a server without it (openai SDK, streamed and
+not), a stop string inside a run of accepted drafts, vLLM's spec_decode counters in
+/metrics, and a bad config refused at start naming the flag."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -39,13 +40,20 @@ def completions(server: LiveServer, **extra: object) -> list[str]:
     return out
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_serves_the_same_text_and_counts_its_drafts(
-    live: LiveServer, tiny_checkpoint: Path
+    live: LiveServer, tiny_checkpoint: Path, method: str
 ) -> None:
+    """n-gram lookup, and the served model as its own draft."""
     greedy = {"temperature": 0.0}
     seeded = {"temperature": 0.9, "seed": 1234}
     stop_at = pick_stop("".join(completions(live, **greedy)), 2)
-    with serve_in_thread(make_config(tiny_checkpoint, speculative_config=NGRAM)) as spec:
+    config = NGRAM
+    if method == "draft_model":
+        config = json.dumps(
+            {"method": method, "model": str(tiny_checkpoint), "num_speculative_tokens": 3}
+        )
+    with serve_in_thread(make_config(tiny_checkpoint, speculative_config=config)) as spec:
         assert completions(spec, **greedy) == completions(live, **greedy)
         assert completions(spec, **seeded) == completions(live, **seeded)
         client = OpenAI(base_url=spec.v1, api_key="unused")

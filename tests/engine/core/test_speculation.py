@@ -4,6 +4,7 @@ model (greedy and seeded output identical to the same requests without speculati
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -23,6 +24,10 @@ GREEDY = SamplingParams(temperature=0.0, seed=0)
 
 # -- the config ---------------------------------------------------------------------------
 def test_config_reads_vllms_json_with_its_defaults() -> None:
+    draft = SpeculativeConfig.parse(
+        '{"method": "draft_model", "model": "small", "num_speculative_tokens": 3}'
+    )
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "small", 3)
     full = SpeculativeConfig.parse(NGRAM)
     assert (full.method, full.num_speculative_tokens) == ("ngram", 4)
     assert (full.prompt_lookup_max, full.prompt_lookup_min) == (3, 1)
@@ -41,7 +46,9 @@ def test_config_reads_vllms_json_with_its_defaults() -> None:
         ("{", "JSON object"),
         ('{"method": "ngram"}', "num_speculative_tokens"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
-        ('{"method": "draft_model", "num_speculative_tokens": 2}', "draft model"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs model"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2, "model": ""}', "folder"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "model with"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": "3"}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}', "min"),
@@ -270,3 +277,58 @@ def test_an_aborted_speculating_sequence_gives_its_pages_back(tiny_checkpoint: P
     assert core.abort("a")
     assert not core.scheduler.busy
     assert core.page_stats().free == core.page_stats().total
+
+
+# -- a draft model ------------------------------------------------------------------------
+def draft_config(folder: Path, k: int = 3) -> str:
+    return json.dumps({"method": "draft_model", "model": str(folder), "num_speculative_tokens": k})
+
+
+def test_the_target_as_its_own_draft_is_always_right(tiny_checkpoint: Path) -> None:
+    """Greedy drafts from the target itself: every draft token is accepted, the first
+    time and again through the prefix cache (the draft's K/V in cached pages is right),
+    and the output is the output without speculation."""
+
+    def seqs() -> list[Sequence]:
+        return [Sequence(f"g{i}", tuple(range(3 + i, 40 + i)), GREEDY, 40) for i in range(3)]
+
+    plain = core_of(tiny_checkpoint, max_num_seqs=16)
+    spec = core_of(
+        tiny_checkpoint, max_num_seqs=16, speculative_config=draft_config(tiny_checkpoint)
+    )
+    want = tokens_of(run_core(plain, seqs()))
+    for _ in range(2):  # the second time, the prompts come from the prefix cache
+        assert tokens_of(run_core(spec, seqs())) == want
+    counters = spec.scheduler.speculator.counters
+    assert spec.scheduler.prefix_hits > 0
+    assert counters.draft_tokens > 100 and counters.accepted_tokens == counters.draft_tokens
+    assert spec.page_stats().free == spec.page_stats().total
+
+
+def test_another_draft_model_changes_no_token(tiny_checkpoint_of) -> None:  # type: ignore[no-untyped-def]
+    """A one-layer draft with other weights: greedy, seeded, batched, and preempted for
+    pages (a pool of 40 pages for 8 sequences): the same events as without speculation."""
+    target = tiny_checkpoint_of()
+    draft = tiny_checkpoint_of(seed=1, num_hidden_layers=1)
+    seeded = SamplingParams(temperature=0.8, seed=7, logprobs=2)
+
+    def seqs() -> list[Sequence]:
+        return [
+            Sequence(f"s{i}", tuple(range(3 + i, 40 + i)), GREEDY if i % 2 else seeded, 40)
+            for i in range(8)
+        ]
+
+    plain = core_of(target, max_num_seqs=16, num_pages=40)
+    spec = core_of(target, max_num_seqs=16, num_pages=40, speculative_config=draft_config(draft))
+    assert tokens_of(run_core(spec, seqs())) == tokens_of(run_core(plain, seqs()))
+    assert spec.scheduler.speculator.counters.drafts > 0
+    assert spec.scheduler.preemptions > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoint_of) -> None:  # type: ignore[no-untyped-def]
+    from engine.tiny import build_llama_checkpoint
+
+    target = tiny_checkpoint_of()
+    other = build_llama_checkpoint(target.parent / "other-vocab", 32, 1, 2, 1, 64, 300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
+        core_of(target, speculative_config=draft_config(other))
