@@ -1,11 +1,13 @@
 """Speculative decoding (n-gram) against the same server without it, through HTTP.
 
 Run: `python -m bench.speculative --model 100m [--context 512] [--max-num-seqs 32]
-[--rounds 2] [--config JSON] [--json PATH]`. --model is a checkpoint folder or a name
-bench.models builds.
+[--rounds 2] [--config JSON] [--draft-layers N] [--json PATH]`. --model is a checkpoint
+folder or a name bench.models builds.
 
-Two servers, ours without and with `--speculative-config` (default n-gram, 4 tokens, lookup
-1-3), one up at a time, the order alternating from round to round. Each runs:
+Servers, ours without and with `--speculative-config` (default n-gram, 4 tokens, lookup
+1-3) and, with --draft-layers N, with a draft model cut down from the served one (its
+first N layers, embedding and head: `cut_down`, 3 tokens), one up at a time, the order
+rotating from round to round. Each runs:
 - `copy`, c = 1: 6 greedy requests one after another, random 64-token prompts, 128 tokens
   out (ignore_eos). The benchmark checkpoints have random weights and greedy decoding
   falls into loops in them: the copy-heavy case, where n-gram drafts are right. TPOT
@@ -58,6 +60,32 @@ def spec_counters(base_url: str) -> dict[str, float]:
     return out
 
 
+def cut_down(target: Path, into: Path, layers: int) -> Path:
+    """A draft checkpoint: the target's first `layers` layers with its embedding, final norm
+    and head (and its tokenizer files), as safetensors."""
+    from safetensors.numpy import load_file, save_file
+
+    into.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (into / "config.json").write_text(json.dumps(config))
+    tensors: dict[str, np.ndarray] = {}
+    for file in sorted(target.glob("*.safetensors")):
+        for name, value in load_file(file).items():
+            index = re.match(r"model\.layers\.(\d+)\.", name)
+            if index is None or int(index.group(1)) < layers:
+                tensors[name] = value
+    save_file(tensors, str(into / "model.safetensors"))
+    for extra in target.iterdir():
+        if (
+            extra.suffix != ".safetensors"
+            and extra.name not in ("config.json",)
+            and (extra.is_file() and not extra.name.endswith(".index.json"))
+        ):
+            (into / extra.name).write_bytes(extra.read_bytes())
+    return into
+
+
 def one_server(running_url: str, name: str, copy: list, random: list) -> dict[str, Any]:
     target = Target(running_url + "/v1", name)
     asyncio.run(run_requests(target, copy[:1], concurrency=1, deadline_s=600))  # warm
@@ -84,34 +112,50 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="--speculative-config JSON")
+    parser.add_argument("--draft-layers", type=int, default=0, help="also a cut-down draft")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     folder, name = checkpoint(args.model, args.context)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     plain = ours()
-    escaped = args.config.replace("{", "{{").replace("}", "}}")  # argv is a format template
-    ngram = ServerSpec(
-        "ngram", (*plain.argv, "--speculative-config", escaped), plain.ready_path, plain.env
-    )
+
+    def speculating(name: str, config: str) -> ServerSpec:
+        escaped = config.replace("{", "{{").replace("}", "}}")  # argv is a format template
+        argv = (*plain.argv, "--speculative-config", escaped)
+        return ServerSpec(name, argv, plain.ready_path, plain.env)
+
+    servers = [plain, speculating("ngram", args.config)]
+    if args.draft_layers:
+        draft = cut_down(
+            folder, folder.parent / f"{folder.name}-draft{args.draft_layers}", args.draft_layers
+        )
+        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+        servers.append(speculating("draft", json.dumps(config)))
     rng = np.random.default_rng(0)
     copy = prompts(rng, vocab, 6, 64, 128)
     random = prompts(rng, vocab, 4 * 32, 128, 64)
     rounds: list[dict[str, Any]] = []
     for k in range(args.rounds):
-        order = (plain, ngram) if k % 2 == 0 else (ngram, plain)
         result: dict[str, Any] = {}
-        for spec in order:
+        for spec in servers[k % len(servers) :] + servers[: k % len(servers)]:
             with started(spec, folder, name, args.max_num_seqs, args.context) as running:
                 result[spec.name] = one_server(running.base_url, name, copy, random)
-        result["tpot_c1_ngram_over_none"] = (
-            result["ngram"]["tpot_c1_ms"] / (result["ours"]["tpot_c1_ms"])
-        )
-        result["tok_per_s_c32_ngram_over_none"] = (
-            result["ngram"]["tok_per_s_c32"] / (result["ours"]["tok_per_s_c32"])
-        )
+        for spec in servers[1:]:
+            result[f"tpot_c1_{spec.name}_over_none"] = (
+                result[spec.name]["tpot_c1_ms"] / result["ours"]["tpot_c1_ms"]
+            )
+            result[f"tok_per_s_c32_{spec.name}_over_none"] = (
+                result[spec.name]["tok_per_s_c32"] / result["ours"]["tok_per_s_c32"]
+            )
         rounds.append(result)
         print(json.dumps({"round": k, **result}), flush=True)
-    report = {"model": name, "context": args.context, "config": args.config, "rounds": rounds}
+    report = {
+        "model": name,
+        "context": args.context,
+        "config": args.config,
+        "draft_layers": args.draft_layers,
+        "rounds": rounds,
+    }
     text = json.dumps(report, indent=1)
     print(text)
     if args.json is not None:
