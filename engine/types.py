@@ -102,6 +102,10 @@ class ConstraintMatcher(Protocol):
         """The allowed next tokens into `out`, int32 words of the engine's bitmask layout."""
         ...
 
+    def rollback(self, count: int) -> None:
+        """Undo the last `count` tokens `advance` took (speculative drafts checked ahead)."""
+        ...
+
 
 class TokenConstraint(Protocol):
     """A compiled structured-output constraint (tokenization.grammar.CompiledGrammar), shared

@@ -100,6 +100,11 @@ class GrammarMatcher:
         """The tokens allowed next, into `out` (int32 words, the engine's width)."""
         fill_mask(self._matcher, out, self._width)
 
+    def rollback(self, count: int) -> None:
+        """Undo the last `count` tokens consumed."""
+        if count and not self._matcher.rollback(count):
+            raise GrammarError(f"the grammar could not roll back {count} tokens")
+
 
 class CompiledGrammar:
     """A compiled constraint, shared by every sample that asks for it: a matcher at the

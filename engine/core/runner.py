@@ -54,6 +54,7 @@ class RowWork:
     prompt_next: tuple[int, ...] = ()  # prompt logprobs: each position's next prompt token
     prompt_top: int = 0  # ...and how many alternatives each
     drafts: tuple[int, ...] = ()  # speculation: tokens to verify after its one decode token
+    draft_allowed: tuple[np.ndarray, ...] = ()  # ...with a grammar: each draft row's mask
 
     @property
     def sample_rows(self) -> int:
@@ -371,7 +372,11 @@ class Runner:
             rows[at : at + n] = r.row
             emits[at], fresh[at] = r.emits, r.fresh
             generated[at : at + n] = r.generated + np.arange(n)
-            per_row += [self._sampling(r)] * n
+            per_row.append(self._sampling(r))
+            if r.draft_allowed:
+                per_row += [self._sampling(r, mask) for mask in r.draft_allowed]
+            else:
+                per_row += [per_row[-1]] * (n - 1)
             at += n
         per_row += [self._idle] * (seqs - real)
         stacked = [np.stack(field) for field in zip(*per_row, strict=True)]
@@ -420,15 +425,17 @@ class Runner:
             prompt=prompt,
         )
 
-    def _sampling(self, work: RowWork) -> SamplingArrays:
-        """A row's sampling arrays, built once per sequence (the mask changes per step)."""
+    def _sampling(self, work: RowWork, allowed: np.ndarray | None = None) -> SamplingArrays:
+        """A row's sampling arrays, built once per sequence (the mask changes per step;
+        `allowed` is a draft row's)."""
         known = self._host.get(work.row)
         if known is None or known[0] is not work.sampling:
             known = (work.sampling, host_arrays(work.sampling, self.cfg.vocab_size))
             self._host[work.row] = known
         arrays = known[1]
-        if work.allowed is not None:
-            mask = cast(jax.Array, work.allowed)  # host arrays, as jit takes them
+        allowed = work.allowed if allowed is None else allowed
+        if allowed is not None:
+            mask = cast(jax.Array, allowed)  # host arrays, as jit takes them
             arrays = arrays._replace(allowed=mask, masked=cast(jax.Array, np.bool_(True)))
         return arrays
 

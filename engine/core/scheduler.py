@@ -350,11 +350,40 @@ class Scheduler:
         drafts = self.speculator.proposer.propose([r for _, r in asked]) if asked else []
         for (i, _), draft in zip(asked, drafts, strict=True):
             seq = planned[i]
+            masks: tuple[np.ndarray, ...] = ()
+            if seq.matcher is not None:
+                masks = self._draft_masks(seq, draft)
+                draft = draft[: len(masks)]
             self._trim(seq, seq.computed + 1 + len(draft))
             if draft:
                 chunk = replace(work[i].chunk, pages=tuple(seq.pages))
-                out[i] = replace(work[i], chunk=chunk, drafts=tuple(draft))
+                out[i] = replace(work[i], chunk=chunk, drafts=tuple(draft), draft_allowed=masks)
         return out
+
+    def _draft_masks(self, seq: Sequence, draft: list[int]) -> tuple[np.ndarray, ...]:
+        """The grammar's mask after each draft token, as far as the grammar allows them
+        (a token it refuses ends the draft; so does one that completes it: nothing is
+        sampled after). The matcher is rolled back: it takes only the tokens accepted."""
+        assert seq.matcher is not None and seq.mask is not None
+        masks: list[np.ndarray] = []
+        current, taken = seq.mask, 0
+        try:
+            for token in draft:
+                if not (int(current[token // 32]) >> (token % 32)) & 1:
+                    break
+                done = seq.matcher.advance(token)
+                taken += 1
+                if done:
+                    break
+                current = np.empty_like(current)
+                seq.matcher.fill_mask(current)
+                current &= self._base(seq)
+                if not current.any():
+                    break
+                masks.append(current)
+        finally:
+            seq.matcher.rollback(taken)
+        return tuple(masks)
 
     def _trim(self, seq: Sequence, positions: int) -> None:
         """Give back seq's pages past those `positions` need (never a registered one: those
@@ -366,15 +395,10 @@ class Scheduler:
 
     @staticmethod
     def _may_speculate(seq: Sequence) -> bool:
-        """Penalties read counts of the tokens before each position, and a grammar's mask
-        depends on them: those sequences decode one token a step."""
+        """Penalties read counts of the tokens before each position: those sequences
+        decode one token a step."""
         s = seq.sampling
-        return (
-            bool(seq.output)
-            and seq.matcher is None
-            and s.presence_penalty == 0
-            and s.frequency_penalty == 0
-        )
+        return bool(seq.output) and s.presence_penalty == 0 and s.frequency_penalty == 0
 
     # -- helpers ------------------------------------------------------------------------
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -65,6 +65,21 @@ def test_speculation_serves_the_same_text_and_counts_its_drafts(
         ]
         assert [c.text for c in stopped[0]] == [c.text for c in stopped[1]]
         assert "stop" in [c.finish_reason for c in stopped[0]]
+        # a grammar checks every draft token: the same text as without speculation
+        before = counter(httpx.get(spec.base_url + "/metrics").text, "llm_spec_decode_num_drafts")
+        for extra in ({"guided_regex": "(ab|cd){3,9}x"}, {"guided_regex": "[a-z ]{20,40}"}):
+            constrained = [
+                c.completions.create(
+                    model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=48, extra_body=extra, **greedy
+                )
+                .choices[0]
+                .text
+                for c in (client, OpenAI(base_url=live.v1, api_key="unused"))
+            ]
+            assert constrained[0] == constrained[1]
+            assert re.fullmatch(extra["guided_regex"], constrained[0]), constrained
+        after = counter(httpx.get(spec.base_url + "/metrics").text, "llm_spec_decode_num_drafts")
+        assert after > before  # the constrained requests speculated
         metrics = httpx.get(spec.base_url + "/metrics").text
     drafts = counter(metrics, "llm_spec_decode_num_drafts")
     proposed = counter(metrics, "llm_spec_decode_num_draft_tokens")

@@ -176,6 +176,9 @@ class OnlyMatcher:
     def fill_mask(self, out: np.ndarray) -> None:
         out[:] = self.constraint.mask
 
+    def rollback(self, count: int) -> None:
+        self.taken -= count
+
 
 def test_a_grammar_masks_every_token_and_ends_the_sample(folder) -> None:  # type: ignore[no-untyped-def]
     from dataclasses import replace

@@ -5,6 +5,7 @@ rebuilt penalty counts."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -38,8 +39,19 @@ def compile_events() -> Iterator[list[str]]:
     recording[0] = False
 
 
-def test_serving_after_warmup_compiles_nothing(tiny_checkpoint_of, compile_events) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("speculation", [None, "ngram", "draft_model"])
+def test_serving_after_warmup_compiles_nothing(
+    tiny_checkpoint_of, compile_events, speculation
+) -> None:  # type: ignore[no-untyped-def]
+    """...with speculation too: drafts, their grammar masks, and a draft model's steps."""
     folder = tiny_checkpoint_of("llama")
+    spec = None
+    if speculation == "ngram":
+        spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    elif speculation == "draft_model":
+        spec = json.dumps(
+            {"method": speculation, "model": str(folder), "num_speculative_tokens": 2}
+        )
     core = EngineCore(
         CoreConfig(
             model_path=folder,
@@ -49,6 +61,7 @@ def test_serving_after_warmup_compiles_nothing(tiny_checkpoint_of, compile_event
             chunk_size=16,
             page_size=8,
             num_pages=14,
+            speculative_config=spec,
         )  # fmt: skip
     )
     core.warmup()
@@ -69,6 +82,8 @@ def test_serving_after_warmup_compiles_nothing(tiny_checkpoint_of, compile_event
     while core.scheduler.busy:
         core.step()
     assert core.scheduler.preemptions > 0  # 14 pages for 4 rows: rebuilt counts ran too
+    if speculation is not None:
+        assert core.scheduler.speculator.counters.drafts > 0  # type: ignore[union-attr]
     assert compile_events == []
 
 
