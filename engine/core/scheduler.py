@@ -37,6 +37,7 @@ from engine.core.speculation import (
     SpeculativeConfig,
     Speculator,
     average_accepted,
+    grammar_masks,
 )
 from engine.token_mask import token_bitmask
 from engine.types import ConstraintMatcher, SamplingParams, TokenLogprobs
@@ -332,8 +333,10 @@ class Scheduler:
         for i, (seq, row) in enumerate(zip(planned, work, strict=True)):
             if room <= 0:
                 break
-            if len(row.chunk.tokens) != 1 or not row.emits or not self._may_speculate(seq):
+            if len(row.chunk.tokens) != 1 or not row.emits or not seq.output:
                 continue
+            if seq.sampling.presence_penalty or seq.sampling.frequency_penalty:
+                continue  # a position's penalties count the tokens before it
             k = min(
                 room,
                 self.speculator.budget(seq.accepted_average),
@@ -351,39 +354,14 @@ class Scheduler:
         for (i, _), draft in zip(asked, drafts, strict=True):
             seq = planned[i]
             masks: tuple[np.ndarray, ...] = ()
-            if seq.matcher is not None:
-                masks = self._draft_masks(seq, draft)
+            if seq.matcher is not None and seq.mask is not None:
+                masks = grammar_masks(seq.matcher, seq.mask, self._base(seq), draft)
                 draft = draft[: len(masks)]
             self._trim(seq, seq.computed + 1 + len(draft))
             if draft:
                 chunk = replace(work[i].chunk, pages=tuple(seq.pages))
                 out[i] = replace(work[i], chunk=chunk, drafts=tuple(draft), draft_allowed=masks)
         return out
-
-    def _draft_masks(self, seq: Sequence, draft: list[int]) -> tuple[np.ndarray, ...]:
-        """The grammar's mask after each draft token, as far as the grammar allows them
-        (a token it refuses ends the draft; so does one that completes it: nothing is
-        sampled after). The matcher is rolled back: it takes only the tokens accepted."""
-        assert seq.matcher is not None and seq.mask is not None
-        masks: list[np.ndarray] = []
-        current, taken = seq.mask, 0
-        try:
-            for token in draft:
-                if not (int(current[token // 32]) >> (token % 32)) & 1:
-                    break
-                done = seq.matcher.advance(token)
-                taken += 1
-                if done:
-                    break
-                current = np.empty_like(current)
-                seq.matcher.fill_mask(current)
-                current &= self._base(seq)
-                if not current.any():
-                    break
-                masks.append(current)
-        finally:
-            seq.matcher.rollback(taken)
-        return tuple(masks)
 
     def _trim(self, seq: Sequence, positions: int) -> None:
         """Give back seq's pages past those `positions` need (never a registered one: those
@@ -392,13 +370,6 @@ class Scheduler:
         if len(seq.pages) > keep:
             self.pool.free(seq.pages[keep:])
             del seq.pages[keep:]
-
-    @staticmethod
-    def _may_speculate(seq: Sequence) -> bool:
-        """Penalties read counts of the tokens before each position: those sequences
-        decode one token a step."""
-        s = seq.sampling
-        return bool(seq.output) and s.presence_penalty == 0 and s.frequency_penalty == 0
 
     # -- helpers ------------------------------------------------------------------------
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from engine.types import ConstraintMatcher
+
 if TYPE_CHECKING:  # the runner imports jax: the HTTP process reads this module without it
     from engine.core.runner import StepPlan
 
@@ -214,6 +216,35 @@ class Speculator:
 
     def budget(self, accepted_average: float) -> int:
         return min(self.config.num_speculative_tokens, int(accepted_average) + 1)
+
+
+def grammar_masks(
+    matcher: ConstraintMatcher, mask: np.ndarray, base: np.ndarray, draft: Sequence[int]
+) -> tuple[np.ndarray, ...]:
+    """A constrained sequence's draft checked against its grammar: the mask after each
+    draft token (intersected with `base`, its allowed_token_ids), as far as the grammar
+    allows them. A token it refuses ends the draft, and so does one that completes it
+    (nothing is sampled after). The matcher is rolled back: the scheduler advances it
+    through the accepted tokens only."""
+    masks: list[np.ndarray] = []
+    current, taken = mask, 0
+    try:
+        for token in draft:
+            if not (int(current[token // 32]) >> (token % 32)) & 1:
+                break
+            done = matcher.advance(token)
+            taken += 1
+            if done:
+                break
+            current = np.empty_like(current)
+            matcher.fill_mask(current)
+            current &= base
+            if not current.any():
+                break
+            masks.append(current)
+    finally:
+        matcher.rollback(taken)
+    return tuple(masks)
 
 
 def average_accepted(previous: float, proposed: int, accepted: int) -> float:
