@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.attention import KVLayout, attention_backend
+from engine.attention.kv_dtype import storage_dtype
 from engine.checkpoint import NP_DTYPES
 from engine.config import ModelConfig, load_model_config, tensor_parallel
 from engine.core.memory import KVBudget, pages_for_budget
@@ -25,6 +26,7 @@ from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Launched, Runner, StepPlan
 from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
+from engine.quant import QUANTIZATIONS, param_bytes, quantize_params
 from engine.types import EngineLimits
 
 logger = logging.getLogger(__name__)
@@ -50,10 +52,17 @@ class CoreConfig:
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
     devices: tuple[int, ...] | None = None  # ids; default the first tensor_parallel_size
+    quantization: str = "none"  # "int8": weights per output channel (engine.quant)
+    kv_cache_dtype: str = "auto"  # pages' dtype (engine.attention.kv_dtype)
 
     def __post_init__(self) -> None:
         if self.dtype not in NP_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        storage_dtype(self.kv_cache_dtype, self.dtype)  # raises naming kv_cache_dtype
         if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give at most one of num_pages and kv_cache_memory_bytes")
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size"):
@@ -100,13 +109,16 @@ class EngineCore:
         )
         platform = self.mesh.devices.flat[0].platform
         fold = 128 // cfg.head_dim if platform == "tpu" and cfg.head_dim < 128 else 1
-        probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.dtype, fold)
+        kv_dtype = storage_dtype(config.kv_cache_dtype, config.dtype)
+        probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold)
         # A chunk fits beside every decode row, so a prompt never waits for them to end.
         room = config.max_num_batched_tokens - config.max_num_seqs
         chunk = max(config.page_size, min(config.chunk_size, room))
         chunk -= chunk % config.page_size
         self.chunk_size = chunk
         params = place_checkpoint_params(config.model_path, cfg, config.dtype, self.mesh)
+        params = quantize_params(params, config.quantization)
+        self.weight_bytes = param_bytes(params)
         budget = KVBudget(
             num_pages=config.num_pages,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
@@ -116,7 +128,7 @@ class EngineCore:
         count = functools.partial(pages_for_budget, budget, probe, cfg.num_layers, self.mesh)
         num_pages = count() if agree_pages is None else agree_pages(count)
         layout = KVLayout(
-            num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.dtype, fold
+            num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold
         )
         pool = PagePool(num_pages, config.page_size, prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(
@@ -149,14 +161,17 @@ class EngineCore:
             max_model_len=max_len, max_prompt_len=max_len - 1, vocab_size=cfg.vocab_size
         )
         logger.info(
-            "engine core: %s on %d %s device(s), %d pages of %d positions (%d bytes of KV, "
-            "%d max-length sequences), %d sequences, %d tokens a step, prompt chunks of %d, "
-            "attention %s",
+            "engine core: %s on %d %s device(s), weights %s (%d bytes), %d pages of %d "
+            "positions in %s (%d bytes of KV, %d max-length sequences), %d sequences, "
+            "%d tokens a step, prompt chunks of %d, attention %s",
             cfg.architecture,
             self.mesh.devices.size,
             platform,
+            config.quantization if config.quantization != "none" else config.dtype,
+            self.weight_bytes,
             num_pages,
             config.page_size,
+            kv_dtype,
             self.kv_cache_bytes,
             num_pages // -(-max_len // config.page_size),
             config.max_num_seqs,
