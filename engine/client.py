@@ -295,6 +295,7 @@ class EngineClient:
             prefix_cached_pages=stats.pages_cached,
             preemptions=stats.preemptions,
             kv_cache_bytes=0 if info is None else info.kv_cache_bytes,
+            weight_bytes=0 if info is None else info.weight_bytes,
         )
 
     # -- the receiver -------------------------------------------------------------------

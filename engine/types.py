@@ -238,3 +238,4 @@ class EngineStats:
     prefix_cached_pages: int = 0  # pages keeping a prefix block that no sequence holds
     preemptions: int = 0
     kv_cache_bytes: int = 0  # device memory of the KV pages, given once at start
+    weight_bytes: int = 0  # device memory of the params (int8 ones when quantized)
