@@ -85,7 +85,7 @@ def tiny_llama(tiny_checkpoint_of):
     return cfg, params, reference
 
 
-@pytest.mark.parametrize("mode", sorted(BOUNDS))
+@pytest.mark.parametrize("mode", sorted(BOUNDS), ids="-".join)
 def test_error_against_the_unquantized_model_is_within_bounds(tiny_llama, mode) -> None:
     cfg, params, reference = tiny_llama
     quantization, kv = mode
