@@ -58,9 +58,8 @@ def dequantize_weight(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return (q.astype(jnp.float32) * scale[:, None]).astype(dtype)
 
 
-def _scale_sharding(w: jax.Array) -> Any:
+def scale_sharding(sharding: Any) -> Any:
     """A weight's scale placed as the weight's output axis is (None: as jit chooses)."""
-    sharding = w.sharding
     if not isinstance(sharding, NamedSharding):
         return None
     spec = tuple(sharding.spec)
@@ -68,11 +67,32 @@ def _scale_sharding(w: jax.Array) -> Any:
 
 
 def _quantize_placed(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    scale_sharding = _scale_sharding(w)
-    if scale_sharding is None:
+    placement = scale_sharding(w.sharding)
+    if placement is None:
         return jax.jit(quantize_weight)(w)
-    fn = jax.jit(quantize_weight, out_shardings=(w.sharding, scale_sharding))
-    return fn(w)
+    return jax.jit(quantize_weight, out_shardings=(w.sharding, placement))(w)
+
+
+def quantized_shapes(params: Params) -> Params:
+    """quantize_params' result as abstract arrays, from abstract params with shardings
+    (bench.tpu_aot compiles against them)."""
+
+    def pair(w: Any) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        q = jax.ShapeDtypeStruct(w.shape, jnp.int8, sharding=w.sharding)
+        scale = jax.ShapeDtypeStruct(w.shape[:1], jnp.float32, sharding=scale_sharding(w.sharding))
+        return q, scale
+
+    out: Params = {k: v for k, v in params.items() if k != "layers"}
+    for name in HEAD_WEIGHTS:
+        if name in params:
+            out[name], out[name + SCALE] = pair(params[name])
+    out["layers"] = []
+    for lp in params["layers"]:
+        qp = dict(lp)
+        for name in LAYER_WEIGHTS:
+            qp[name], qp[name + SCALE] = pair(lp[name])
+        out["layers"].append(qp)
+    return out
 
 
 def quantize_params(params: Params, quantization: str) -> Params:
