@@ -162,7 +162,7 @@ def test_two_devices_give_the_tokens_of_one(tiny_checkpoint_of) -> None:
 
 
 def test_weights_and_kv_bytes(tiny_checkpoint_of) -> None:
-    """int8 weights <= 0.3x float32 and <= 0.55x bfloat16; fp8 KV 0.5x bfloatf16 per
+    """int8 weights <= 0.3x float32 and <= 0.55x bfloat16; fp8 KV 0.5x bfloat16 per
     token; int8 KV 0.5x plus its 2 bytes of scale per token and kv head."""
     folder = tiny_checkpoint_of("llama")
     cfg = load_model_config(folder)
