@@ -29,6 +29,7 @@ from engine.quant_eval import QuantError, compare, teacher_forced_logits
 from engine.types import SamplingParams
 from server.config import parse_config
 from tests.engine.conftest import core_of, run_core
+from tests.engine.core.test_recompile import compile_events  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0.0, seed=0, logprobs=2)
 PROMPTS = ((0, 42, 364, 78, 81, 277, 67), (5, 9, 300, 12), tuple(range(3, 40)), (7,) * 20)
@@ -159,6 +160,19 @@ def test_two_devices_give_the_tokens_of_one(tiny_checkpoint_of) -> None:
         np.testing.assert_allclose(
             [lp for _, lp in two[name]], [lp for _, lp in one[name]], atol=1e-5
         )
+
+
+def test_serving_a_quantized_model_after_warmup_compiles_nothing(
+    tiny_checkpoint_of,
+    compile_events,  # noqa: F811
+) -> None:
+    core = core_of(tiny_checkpoint_of("llama"), quantization="int8", kv_cache_dtype="int8")
+    core.warmup()
+    compile_events.clear()
+    seqs = [Sequence(f"s{i}", p, GREEDY, 12) for i, p in enumerate(PROMPTS)]
+    seqs.append(Sequence("long", tuple(range(3, 80)), GREEDY, 12, prompt_logprobs=2))
+    run_core(core, seqs)
+    assert compile_events == []
 
 
 def test_weights_and_kv_bytes(tiny_checkpoint_of) -> None:
