@@ -141,24 +141,32 @@ def test_greedy_output_is_the_same_alone_as_in_a_batch(
     assert core.scheduler.prefix_hits > 0
 
 
-def test_two_devices_give_the_tokens_of_one(tiny_checkpoint_of) -> None:
-    """int8 weights and KV on a mesh of 2: scales split with their weights' output rows
-    (a copy for the weights split by input), the same tokens as on 1 device."""
-    folder = tiny_checkpoint_of("qwen2")
+@pytest.mark.parametrize(
+    "arch,overrides,tp",
+    [("qwen2", {}, 2), ("llama_tied", {"vocab_size": 514}, 4)],
+    ids=["qwen2-tp2", "tied-514-tp4"],
+)
+def test_a_mesh_gives_the_tokens_of_one_device(
+    tiny_checkpoint_of, arch: str, overrides: dict[str, int], tp: int
+) -> None:
+    """int8 weights and KV on a mesh: scales split with their weights' output rows (a
+    copy for the weights split by input; the tied head, its 514 rows not divisible by 4,
+    a copy with its scales), kv heads replicated past 2 devices: the tokens of 1 device."""
+    folder = tiny_checkpoint_of(arch, **overrides)
     options = dict(quantization="int8", kv_cache_dtype="int8")
     seqs = [Sequence(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
     one = outputs(core_of(folder, **options), seqs)
-    core = core_of(folder, tensor_parallel_size=2, **options)
+    core = core_of(folder, tensor_parallel_size=tp, **options)
     layer = core.runner.params["layers"][0]
     assert layer["wqkv"].dtype == jnp.int8
     assert layer["wqkv_scale"].sharding.spec == PartitionSpec("model")
     assert layer["wo_scale"].sharding.spec == PartitionSpec(None)
     seqs = [Sequence(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
-    two = outputs(core, seqs)
+    got = outputs(core, seqs)
     for name in one:
-        assert [t for t, _ in two[name]] == [t for t, _ in one[name]], name
+        assert [t for t, _ in got[name]] == [t for t, _ in one[name]], name
         np.testing.assert_allclose(
-            [lp for _, lp in two[name]], [lp for _, lp in one[name]], atol=1e-5
+            [lp for _, lp in got[name]], [lp for _, lp in one[name]], atol=1e-5
         )
 
 
