@@ -31,6 +31,11 @@ cond at its costliest branch. unavoidable_bytes: the weights a step must read on
 chip (an untied embedding only its gathered rows; a tied one is the head), each
 sequence's live K/V read once, and the new K/V written. ratio: bytes_accessed over
 unavoidable_bytes.
+
+`--quantization int8` compiles against int8 weights with their scales (engine.quant) and
+`--kv-cache-dtype fp8` against fp8 pages (engine.attention.kv_dtype): unavoidable_bytes
+then counts those bytes, so bytes_accessed against a bfloat16 run of the same setup is
+what quantization saves (bench/README.md, "Quantization").
 """
 
 from __future__ import annotations
@@ -58,10 +63,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench.model_shapes import CONFIGS, checkpoint_shapes, model_config
 from engine.attention import AttentionBatch, KVLayout
+from engine.attention.kv_dtype import KV_CACHE_DTYPES, storage_dtype
 from engine.attention.tpu import PallasAttention, kv_pages_per_block, queries_per_block
 from engine.core.runner import Shapes, prompt_logprobs_program, step_program
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
 from engine.paged_model import StepBatch
+from engine.quant import QUANTIZATIONS, quantized_shapes
 from engine.sampling import SamplingArrays, host_arrays
 from engine.token_mask import mask_words
 from engine.types import MAX_LOGIT_BIAS, SamplingParams
@@ -92,6 +99,8 @@ class Setup:
     page_size: int
     num_pages: int
     chunk: int
+    quantization: str = "none"  # engine.quant: "int8" weights
+    kv_cache_dtype: str = "auto"  # engine.attention.kv_dtype
 
 
 @dataclass
@@ -187,14 +196,16 @@ class Harness:
             setup.page_size,
             self.cfg.num_kv_heads,
             self.cfg.head_dim,
-            setup.dtype,
+            storage_dtype(setup.kv_cache_dtype, setup.dtype),
             fold,
         )
         self.attention = PallasAttention(self.layout, self.mesh)
         shapes = checkpoint_shapes(self.cfg, self.dtype, slot_layout=False)
         self.params = placed(shapes, checkpoint_param_shardings(shapes, self.cfg, self.mesh))
+        if setup.quantization == "int8":
+            self.params = quantized_shapes(self.params)
         pages_sharding = NamedSharding(self.mesh, PartitionSpec(None, None, MODEL_AXIS, None))
-        one = jax.ShapeDtypeStruct(self.layout.shape, self.dtype, sharding=pages_sharding)
+        one = jax.ShapeDtypeStruct(self.layout.shape, self.layout.dtype, sharding=pages_sharding)
         self.pages = tuple(one for _ in range(self.cfg.num_layers))
         self.pages_per_seq = -(-setup.max_model_len // setup.page_size)
         self.shapes = Shapes.of(
@@ -206,14 +217,14 @@ class Harness:
     def kv_token_bytes(self) -> int:
         """One position's K and V in every layer, on one chip (unpadded)."""
         per_chip = self.cfg.num_kv_heads // self.setup.tensor_parallel_size
-        return 2 * per_chip * self.cfg.head_dim * self.dtype.itemsize * self.cfg.num_layers
+        return per_chip * self.layout.token_bytes // self.layout.kv_heads * self.cfg.num_layers
 
     def weight_bytes(self, params: Any, tokens: int) -> float:
         total = per_chip_bytes(params)
         if "lm_head" in params and not self.cfg.tie_word_embeddings:
             embed = params["embed"]
             total -= per_chip_bytes(embed)  # only the gathered rows are read
-            total += tokens * self.cfg.hidden_size * self.dtype.itemsize
+            total += tokens * self.cfg.hidden_size * np.dtype(embed.dtype).itemsize
         return float(total)
 
     def unavoidable(self, params: Any, seqs: Sequences) -> float:
@@ -403,6 +414,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--layers", type=int, default=None, help="fewer layers: a faster run")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     parser.add_argument("--num-pages", type=int, default=None, help="default: every sequence full")
     parser.add_argument("--chunk", type=int, default=256, help="prompt tokens per step")
@@ -429,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         page_size=args.page_size,
         num_pages=args.num_pages or default_pages(args),
         chunk=args.chunk,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # TPU programs cannot load here

@@ -299,6 +299,7 @@ class EngineClient:
             spec_draft_tokens=stats.spec_draft_tokens,
             spec_accepted_tokens=stats.spec_accepted_tokens,
             spec_accepted_per_position=stats.spec_accepted_per_position,
+            weight_bytes=0 if info is None else info.weight_bytes,
         )
 
     # -- the receiver -------------------------------------------------------------------

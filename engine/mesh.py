@@ -23,6 +23,8 @@ from engine.config import ModelConfig
 MODEL_AXIS = "model"
 # Axis split over "model" of each layer matrix, in the (out, in) layout.
 _LAYER_AXES = {"wqkv": 0, "bqkv": 0, "wo": 1, "w_gate_up": 0, "w_down": 1}
+# int8 weights' scales (engine.quant), one per output row: split with the weight's rows
+_LAYER_AXES |= {"wqkv_scale": 0, "w_gate_up_scale": 0}
 
 
 def default_mesh(num_devices: int = 1) -> Mesh:
@@ -83,8 +85,9 @@ def checkpoint_param_shardings(params: Any, cfg: ModelConfig, mesh: Mesh) -> Any
     vocab = split(mesh, 0) if cfg.head_shards > 1 else replicated(mesh)
     out["embed"] = vocab
     out.pop("lm_head", None)
-    if "lm_head" in params:
-        out["lm_head"] = vocab
+    for name in ("lm_head", "embed_scale", "lm_head_scale"):
+        if name in params:
+            out[name] = vocab
     return out
 
 

@@ -26,15 +26,26 @@ Params = dict[str, Any]
 F32 = jnp.float32
 
 
-def project(x: jax.Array, w: jax.Array) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     """x (..., in) times w (out, in)^T -> (..., out) in x's dtype, summed in float32.
 
     Rows x w^T as stored: XLA:CPU gives a row the same bits in this product at any row
     count from 2 (4 in bfloat16), which steps always have (engine.core.runner's buckets).
+    With `scale` (out,), w is int8 (engine.quant): its values converted to x's dtype
+    (exact) go into the product, and each output column is multiplied by its scale.
     """
     rows = x.reshape(-1, x.shape[-1])
+    if scale is not None:
+        w = w.astype(x.dtype)
     out = lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    if scale is not None:
+        out = out * scale
     return out.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _project(lp: Params, x: jax.Array, name: str) -> jax.Array:
+    """x through layer weight `name`, int8 with its scale when engine.quant made it so."""
+    return project(x, lp[name], lp.get(name + "_scale"))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -61,7 +72,7 @@ def attention_inputs(
     lp: Params, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = project(h, lp["wqkv"])
+    qkv = _project(lp, h, "wqkv")
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     lead = x.shape[:-1]
@@ -77,14 +88,14 @@ def attention_inputs(
 
 def layer_output(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Output projection, residual, and the SwiGLU MLP block."""
-    out = project(attn, lp["wo"])
+    out = _project(lp, attn, "wo")
     if "bo" in lp:
         out = out + lp["bo"]
     x = x + out
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     lead = x.shape[:-1]
-    gate_up = project(h, lp["w_gate_up"])
+    gate_up = _project(lp, h, "w_gate_up")
     gate_up = gate_up.reshape(*lead, cfg.shards, -1)  # per shard gate, up
     half = cfg.intermediate_size // cfg.shards
     gated = jax.nn.silu(gate_up[..., :half]) * gate_up[..., half:]
-    return x + project(gated.reshape(*lead, cfg.intermediate_size), lp["w_down"])
+    return x + _project(lp, gated.reshape(*lead, cfg.intermediate_size), "w_down")

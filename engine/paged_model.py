@@ -10,7 +10,8 @@ any mix of the two.
 Params are the checkpoint's layout (engine.checkpoint.load_params): the head is
 (vocab, hidden), contracted over hidden as it is, and a tied head is the embedding
 itself, so no transposed copy is kept (engine.model keeps one for the slot engine).
-The layer math is engine.model's.
+The layer math is engine.model's. Params quantized by engine.quant (int8 weights with
+`<name>_scale` beside them) go through the same functions.
 """
 
 from __future__ import annotations
@@ -100,8 +101,26 @@ def head_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     stored: no transposed copy of it exists.
     """
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["lm_head"] if "lm_head" in params else params["embed"]
-    return lax.dot_general(x, head, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    name = "lm_head" if "lm_head" in params else "embed"
+    head, scale = params[name], params.get(name + "_scale")
+    if scale is None:
+        return lax.dot_general(x, head, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    # int8 (engine.quant): each vocabulary row's scale applies to its logit
+    logits = lax.dot_general(
+        x, head.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=F32
+    )
+    return logits * scale
+
+
+def embed_tokens(params: Params, tokens: Ints) -> jax.Array:
+    """The embedding rows of `tokens` in the model's dtype (int8 rows times their scale
+    when engine.quant quantized the embedding)."""
+    x = params["embed"][tokens]
+    scale = params.get("embed_scale")
+    if scale is None:
+        return x
+    dtype = params["final_norm"].dtype
+    return (x.astype(F32) * scale[tokens][:, None]).astype(dtype)
 
 
 def forward(
@@ -115,8 +134,8 @@ def forward(
     """The batch's tokens through every layer -> (each token's final hidden state (T,
     hidden), pages with the batch's K/V written); `head_logits` of `x[batch.last]` are each
     sequence's next-token logits."""
-    dtype = params["embed"].dtype
-    x = params["embed"][batch.tokens]
+    dtype = params["final_norm"].dtype  # the model's (the embedding may be int8)
+    x = embed_tokens(params, batch.tokens)
     cos, sin = rope_tables(jnp.asarray(batch.positions), inv_freq, dtype)
     t = batch.tokens.shape[0]
     written = []

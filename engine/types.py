@@ -246,3 +246,4 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()  # accepted drafts by their position
+    weight_bytes: int = 0  # device memory of the params (int8 ones when quantized)

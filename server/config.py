@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.attention.kv_dtype import KV_CACHE_DTYPES
 from engine.core.speculation import SpeculativeConfig
 from engine.faults import FaultPlan
+from engine.quant import QUANTIZATIONS
 from engine.types import DTYPE_NAMES as DTYPES
 from server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -44,6 +46,10 @@ class ServerConfig:
     speculative_config: str | None = None  # vLLM's JSON, e.g. {"method": "ngram", ...}
     max_model_len: int | None = None  # None: the checkpoint's (capped by the engine)
     dtype: str = "float32"
+    # Quantization (engine/quant.py, engine/attention/kv_dtype.py; vLLM's flags): int8
+    # weights per output channel, and the KV pages' dtype (auto: the model's).
+    quantization: str | None = None  # None or "int8"
+    kv_cache_dtype: str = "auto"  # auto, int8, fp8 (= fp8_e4m3), fp8_e5m2
     # The KV cache's pages: this many bytes per device, else gpu_memory_utilization of each
     # accelerator's memory less the params, else (XLA:CPU reports no memory) max_num_seqs
     # whole contexts.
@@ -127,6 +133,15 @@ class ServerConfig:
             FaultPlan.parse(self.fault_injection)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -228,6 +243,17 @@ def _optional_path(text: str) -> Path | None:
     return Path(text).expanduser() if text else None
 
 
+def _one_of(choices: Sequence[str]) -> Callable[[str], str]:
+    """A parser taking one of `choices` (the error then names the flag or variable)."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
+
+
 def _switch(text: str) -> bool:
     """An on/off flag: `--flag` alone is on; the flag or its variable may say true or false."""
     value = text.strip().lower()
@@ -266,6 +292,8 @@ _FLAGS: dict[str, tuple[object, str]] = {
     ),
     "max_model_len": (int, "context length: prompt + completion tokens"),
     "dtype": (str, "float32 or bfloat16"),
+    "quantization": (_one_of(QUANTIZATIONS), "int8: weights per output channel (default none)"),
+    "kv_cache_dtype": (_one_of(KV_CACHE_DTYPES), "KV pages: auto (model's), int8, fp8, fp8_e5m2"),
     "kv_cache_memory_bytes": (_byte_size, "KV pages' bytes per device, e.g. 8GiB"),
     "gpu_memory_utilization": (float, "of each accelerator's memory for params + KV (0..1]"),
     "max_queued_samples": (int, "samples (prompts x n) waiting for prefill before 429"),

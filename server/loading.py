@@ -72,6 +72,8 @@ def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> An
     core = {
         "model_path": str(model_path(config)),
         "dtype": config.dtype,
+        "quantization": config.quantization or "none",
+        "kv_cache_dtype": config.kv_cache_dtype,
         "max_num_seqs": config.max_num_seqs,
         "max_model_len": config.max_model_len,
         "max_num_batched_tokens": config.batched_tokens,

@@ -83,6 +83,7 @@ class _StatsCollector(Collector):
         )
         if stats is not None:
             memory.add_metric(name + ["kv_cache"], stats.kv_cache_bytes)
+            memory.add_metric(name + ["weights"], stats.weight_bytes)
         yield memory
         per_position = CounterMetricFamily(
             "llm_spec_decode_num_accepted_tokens_per_pos",

@@ -3,7 +3,8 @@
 Owns: `CpuAttention`, the CPU backend of the `Attention` seam. Receives a ragged batch's
 queries (T, heads, head_dim), the layer's pages with this step's K/V written, and the
 `AttentionBatch`; emits (T, heads, head_dim) matching engine.attention.reference
-(scores and softmax in float32; padding queries give zeros).
+(scores and softmax in float32; padding queries give zeros). 8-bit pages are decoded
+block by block as they are read (KVLayout.decode), never as a whole cache.
 
 Work comes in units of fixed shape, each run by a loop whose trip count is its own live
 key blocks (an online softmax over blocks of whole pages):
@@ -201,7 +202,7 @@ class CpuAttention:
         block = per * size
         position = lens - 1
         qg = q.reshape(rows, kv, groups, dim).astype(F32)
-        flat = pages.reshape(layout.num_pages * size, kv, 2, dim)
+        flat = pages.reshape(layout.num_pages * size, kv, 2, layout.shape[-1])
         stop = (jnp.max(lens) + block - 1) // block
         first = jnp.zeros((), jnp.int32)
         if window is not None:
@@ -213,8 +214,8 @@ class CpuAttention:
             slots = (ids[:, :, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(
                 rows, block
             )
-            # (rows, block, kv, dim), in float32 as the scores are
-            keys, values = flat[slots, :, 0].astype(F32), flat[slots, :, 1].astype(F32)
+            # (rows, block, kv, dim), in float32 as the scores are (8-bit pages: decoded)
+            keys, values = layout.decode(flat[slots, :, 0]), layout.decode(flat[slots, :, 1])
             scores = jnp.einsum("rkgd,rlkd->rkgl", qg, keys, preferred_element_type=F32)
             scores = scores * (dim**-0.5)
             k_pos = j * block + jnp.arange(block, dtype=jnp.int32)[None, :]
@@ -250,7 +251,7 @@ class CpuAttention:
         per, size = self.tile_pages, layout.page_size
         block = per * size
         qg = q.reshape(rows, kv, groups, dim).astype(F32)
-        flat = pages.reshape(layout.num_pages * size, kv, 2, dim)
+        flat = pages.reshape(layout.num_pages * size, kv, 2, layout.shape[-1])
         stop = jnp.where(n > 0, (first_pos + n - 1) // block + 1, 0)
         first = jnp.zeros((), jnp.int32)
         if window is not None:
@@ -259,7 +260,7 @@ class CpuAttention:
         def body(j: jax.Array, carry: Carry) -> Carry:
             ids = lax.dynamic_slice(table, (j * per,), (per,))
             slots = (ids[:, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(block)
-            keys, values = flat[slots, :, 0].astype(F32), flat[slots, :, 1].astype(F32)
+            keys, values = layout.decode(flat[slots, :, 0]), layout.decode(flat[slots, :, 1])
             scores = jnp.einsum("qkgd,lkd->kgql", qg, keys, preferred_element_type=F32)
             scores = scores * (dim**-0.5)
             r = jnp.arange(rows, dtype=jnp.int32)[:, None]

@@ -9,6 +9,10 @@ the last axis in 128 lanes: a head_dim of 64 stored as is would take 128 lanes p
 row in HBM, twice its bytes. Folded two to a row, a layer's KV takes exactly its
 bytes; a query then reads its own head's lanes by being zero in the other's
 (engine.attention.tpu). Every other backend keeps fold 1.
+
+8-bit pages (`dtype` int8 or float8_*, engine.attention.kv_dtype) store each (token,
+kv head) row encoded: `write` encodes, `unpack` and `decode` give float32; an int8 row
+carries its scale in `scale_lanes` extra lanes after its values.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.attention import kv_dtype
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -29,7 +35,7 @@ class KVLayout:
     page_size: int
     kv_heads: int  # the model's kv heads on the mesh (with tensor-parallel replicas)
     head_dim: int
-    dtype: str = "float32"
+    dtype: str = "float32"  # the pages' (engine.attention.kv_dtype.storage_dtype)
     fold: int = 1  # adjacent kv heads side by side in one row of lanes
 
     def __post_init__(self) -> None:
@@ -48,8 +54,17 @@ class KVLayout:
         return self.head_dim * self.fold
 
     @property
+    def scale_lanes(self) -> int:
+        """Lanes of a row after its values holding its scale (int8 pages: 2)."""
+        return kv_dtype.scale_lanes(self.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return kv_dtype.is_quantized(self.dtype)
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.num_pages, self.page_size, self.combined_heads, self.lanes)
+        return (self.num_pages, self.page_size, self.combined_heads, self.lanes + self.scale_lanes)
 
     @property
     def page_bytes(self) -> int:
@@ -72,7 +87,10 @@ class KVLayout:
         return jnp.stack([k, v], axis=2).reshape(t, self.combined_heads, self.lanes)
 
     def unpack(self, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Pages (..., combined_heads, lanes) -> keys and values (..., kv_heads, head_dim)."""
+        """Pages (..., combined_heads, lanes) -> keys and values (..., kv_heads, head_dim)
+        (8-bit pages: decoded, float32)."""
+        if self.quantized:
+            pages = self.decode(pages)
         lead = pages.shape[:-2]
         k = pages[..., 0::2, :].reshape(*lead, self.kv_heads, self.head_dim)
         v = pages[..., 1::2, :].reshape(*lead, self.kv_heads, self.head_dim)
@@ -81,9 +99,13 @@ class KVLayout:
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         """Pages with token i's K/V at flat slot slots[i] (page * page_size + offset), in
         place: one scatter. A slot past the last page (padding) writes nothing."""
-        flat = pages.reshape(self.num_pages * self.page_size, self.combined_heads, self.lanes)
-        rows = self.pack(k, v).astype(pages.dtype)
+        flat = pages.reshape(self.num_pages * self.page_size, self.combined_heads, self.shape[-1])
+        rows = kv_dtype.encode(self.pack(k, v), self.dtype)
         return flat.at[slots].set(rows, mode="drop").reshape(pages.shape)
+
+    def decode(self, rows: jax.Array) -> jax.Array:
+        """Stored rows (..., lanes + scale_lanes) -> their values in float32 (..., lanes)."""
+        return kv_dtype.decode(rows, self.dtype)
 
 
 # A batch is built on the host (numpy) and read on the device (jax): either is fine.

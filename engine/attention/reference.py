@@ -78,7 +78,7 @@ class ReferenceAttention:
         seq, position, real = query_positions(t, batch)
         own = pages[batch.page_indices[seq]]  # (T, pages_per_seq, page_size, ...)
         own = own.reshape(t, -1, *own.shape[-2:])
-        keys, values = layout.unpack(own)  # (T, L, kv_heads, head_dim)
+        keys, values = layout.unpack(own)  # (T, L, kv_heads, head_dim); 8-bit: float32
         qg = q.reshape(t, layout.kv_heads, groups, dim)
         scores = jnp.einsum("tkgd,tlkd->tkgl", qg, keys, preferred_element_type=F32)
         scores = scores * (dim**-0.5)

@@ -14,6 +14,10 @@ looks up the default device and so cannot serve ahead-of-time compilation.
 KV_BLOCK_TOKENS bounds what one fetch overshoots: the kernel copies whole blocks of
 pages, so a sequence reads up to one block past its length
 (bench/tpu_aot.py counts those pages).
+
+8-bit KV (engine.attention.kv_dtype): fp8 pages go to the kernel as they are, with
+k_scale = v_scale = 1.0 (static floats, the only scales it takes); int8 pages, whose
+rows carry their own scales, are refused here.
 """
 
 from __future__ import annotations
@@ -82,6 +86,12 @@ class PallasAttention:
         mesh: Mesh | None = None,
         kernel: Callable[..., jax.Array] | None = None,
     ) -> None:
+        if layout.scale_lanes:
+            raise ValueError(
+                f"kv_cache_dtype int8 is not supported on TPU: its pages keep a scale per "
+                f"row, and jax's ragged paged attention kernel takes one static k_scale / "
+                f"v_scale (use --kv-cache-dtype fp8); got pages of {layout.dtype}"
+            )
         self.layout = layout
         self.kernel = kernel or ragged_paged_attention
         self.mesh = mesh
@@ -131,6 +141,8 @@ class PallasAttention:
         sliding_window: int | None = None,
     ) -> jax.Array:
         layout = self.layout
+        # fp8 pages (scale 1): the kernel converts each block it reads to q's dtype
+        scales = {"k_scale": 1.0, "v_scale": 1.0} if layout.quantized else {}
         kernel = functools.partial(
             self.kernel,
             sm_scale=layout.head_dim**-0.5,
@@ -138,6 +150,7 @@ class PallasAttention:
             num_kv_pages_per_block=kv_pages_per_block(layout, batch.page_indices.shape[1]),
             num_queries_per_block=queries_per_block(q.shape[0]),
             vmem_limit_bytes=VMEM_LIMIT_BYTES,
+            **scales,
         )
         kv_local = layout.kv_heads // self.shards
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.attention import KVLayout, attention_backend
+from engine.attention.kv_dtype import storage_dtype
 from engine.checkpoint import NP_DTYPES
 from engine.config import ModelConfig, load_model_config, tensor_parallel
 from engine.core.draft import DraftProposer, build_draft, draft_config
@@ -27,6 +28,7 @@ from engine.core.runner import Launched, Runner, StepPlan
 from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
 from engine.core.speculation import SpeculativeConfig
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
+from engine.quant import QUANTIZATIONS, param_bytes, quantize_params
 from engine.types import EngineLimits
 
 logger = logging.getLogger(__name__)
@@ -53,10 +55,17 @@ class CoreConfig:
     tensor_parallel_size: int = 1
     devices: tuple[int, ...] | None = None  # ids; default the first tensor_parallel_size
     speculative_config: str | None = None  # vLLM's JSON (engine.core.speculation)
+    quantization: str = "none"  # "int8": weights per output channel (engine.quant)
+    kv_cache_dtype: str = "auto"  # pages' dtype (engine.attention.kv_dtype)
 
     def __post_init__(self) -> None:
         if self.dtype not in NP_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        storage_dtype(self.kv_cache_dtype, self.dtype)  # raises naming kv_cache_dtype
         if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give at most one of num_pages and kv_cache_memory_bytes")
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size"):
@@ -110,13 +119,16 @@ class EngineCore:
         )
         platform = self.mesh.devices.flat[0].platform
         fold = 128 // cfg.head_dim if platform == "tpu" and cfg.head_dim < 128 else 1
-        probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.dtype, fold)
+        kv_dtype = storage_dtype(config.kv_cache_dtype, config.dtype)
+        probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold)
         # A chunk fits beside every decode row, so a prompt never waits for them to end.
         room = config.max_num_batched_tokens - config.max_num_seqs
         chunk = max(config.page_size, min(config.chunk_size, room))
         chunk -= chunk % config.page_size
         self.chunk_size = chunk
         params = place_checkpoint_params(config.model_path, cfg, config.dtype, self.mesh)
+        params = quantize_params(params, config.quantization)
+        self.weight_bytes = param_bytes(params)
         spec = config.speculative
         draft_cfg, draft_params = None, None
         if spec is not None and spec.model is not None:  # placed before the pages are counted
@@ -124,6 +136,8 @@ class EngineCore:
                 raise ValueError("a draft model is not supported with multi-host serving yet")
             draft_cfg = draft_config(spec.model, cfg, config.tensor_parallel_size)
             draft_params = place_checkpoint_params(spec.model, draft_cfg, config.dtype, self.mesh)
+            draft_params = quantize_params(draft_params, config.quantization)
+            self.weight_bytes += param_bytes(draft_params)
         layers = cfg.num_layers  # a page holds every layer's K/V, the draft's layers' too
         if draft_cfg is not None:
             draft_probe = replace(
@@ -139,7 +153,7 @@ class EngineCore:
         count = functools.partial(pages_for_budget, budget, probe, layers, self.mesh)
         num_pages = count() if agree_pages is None else agree_pages(count)
         layout = KVLayout(
-            num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.dtype, fold
+            num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold
         )
         pool = PagePool(num_pages, config.page_size, prefix_caching=config.prefix_caching)
         self.draft: DraftProposer | None = None
@@ -187,14 +201,17 @@ class EngineCore:
             max_model_len=max_len, max_prompt_len=max_len - 1, vocab_size=cfg.vocab_size
         )
         logger.info(
-            "engine core: %s on %d %s device(s), %d pages of %d positions (%d bytes of KV, "
-            "%d max-length sequences), %d sequences, %d tokens a step, prompt chunks of %d, "
-            "attention %s",
+            "engine core: %s on %d %s device(s), weights %s (%d bytes), %d pages of %d "
+            "positions in %s (%d bytes of KV, %d max-length sequences), %d sequences, "
+            "%d tokens a step, prompt chunks of %d, attention %s",
             cfg.architecture,
             self.mesh.devices.size,
             platform,
+            config.quantization if config.quantization != "none" else config.dtype,
+            self.weight_bytes,
             num_pages,
             config.page_size,
+            kv_dtype,
             self.kv_cache_bytes,
             num_pages // -(-max_len // config.page_size),
             config.max_num_seqs,

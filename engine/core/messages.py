@@ -138,6 +138,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
     kv_cache_bytes: int
     num_pages: int
     page_size: int
+    weight_bytes: int = 0  # the params' (after quantization)
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True):

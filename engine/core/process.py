@@ -186,6 +186,7 @@ def run(config: ProcessConfig) -> int:
                 vocab_size=core.limits.vocab_size,
                 eos_token_ids=tuple(sorted(core.eos_token_ids)),
                 kv_cache_bytes=core.kv_cache_bytes,
+                weight_bytes=core.weight_bytes,
                 num_pages=pool.num_pages,
                 page_size=pool.page_size,
             )

@@ -51,3 +51,17 @@ def test_a_program_that_does_not_fit_is_reported() -> None:
     for p in report["programs"]:
         assert not p["compiled"] or p["peak_bytes_per_chip"] > p["hbm_bytes_per_chip"], p
         assert p["error"] and ("HBM" in p["error"] or "bytes" in p["error"]), p
+
+
+def test_int8_weights_halve_the_bytes_a_decode_step_reads() -> None:
+    """--quantization int8 with an fp8 KV cache: the 1-sequence decode step (its bytes the
+    weights', mostly) reads at most 0.55x the bfloat16 step's, every step within the bounds
+    above against its own (int8 and fp8) unavoidable bytes."""
+    base = {p["name"]: p for p in run("1b", "v5e:2x2", 1, "decode")["programs"]}
+    quant = run("1b", "v5e:2x2", 1, "decode", "--quantization", "int8", "--kv-cache-dtype", "fp8")
+    programs = {p["name"]: p for p in quant["programs"]}
+    for name, p in programs.items():
+        assert p["compiled"] and p["error"] is None, (name, p["error"])
+        assert 1.0 <= p["ratio"] <= DECODE_RATIO, p
+        assert p["bytes_accessed"] < base[name]["bytes_accessed"], name
+    assert programs["decode-1"]["bytes_accessed"] <= 0.55 * base["decode-1"]["bytes_accessed"]

@@ -134,3 +134,26 @@ def test_prefix_cache_hits_are_counted_and_change_no_greedy_text(tiny_checkpoint
         assert value(after, "llm_engine_memory_bytes", pool="kv_cache") == 32 * 16 * 2 * (
             2 * 2 * 16 * 4
         )
+
+
+def test_quantized_weights_and_an_8_bit_cache_show_in_memory_bytes(tiny_checkpoint: Path) -> None:
+    """--quantization int8 --kv-cache-dtype fp8 in bfloat16: /metrics gives the weights'
+    bytes (<= 0.55x the bfloat16 params) and the KV cache's (0.5x bfloat16 pages: 4
+    sequences x 8 pages x 16 positions x K and V x 2 layers x 2 kv heads x 16 dims x 1
+    byte), and the quantized model answers."""
+    from engine.checkpoint import load_params
+    from engine.config import load_model_config
+    from engine.quant import param_bytes
+
+    bf16 = param_bytes(load_params(tiny_checkpoint, load_model_config(tiny_checkpoint), "bfloat16"))
+    config = make_config(
+        tiny_checkpoint, dtype="bfloat16", quantization="int8", kv_cache_dtype="fp8"
+    )
+    with serve_in_thread(config) as live:
+        body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        response = httpx.post(live.base_url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        after = scrape(live)
+    weights = value(after, "llm_engine_memory_bytes", pool="weights")
+    assert 0 < weights <= 0.55 * bf16
+    assert value(after, "llm_engine_memory_bytes", pool="kv_cache") == 32 * 16 * 2 * (2 * 2 * 16)

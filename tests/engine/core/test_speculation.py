@@ -332,3 +332,24 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoint_of) -> None:
     other = build_llama_checkpoint(target.parent / "other-vocab", 32, 1, 2, 1, 64, 300)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
         core_of(target, speculative_config=draft_config(other))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_on_a_quantized_model_changes_no_token(
+    tiny_checkpoint: Path, method: str
+) -> None:
+    """int8 weights and an int8 KV cache, with either method: the events without it."""
+    config = NGRAM if method == "ngram" else draft_config(tiny_checkpoint)
+    quant = {"quantization": "int8", "kv_cache_dtype": "int8", "max_num_seqs": 16}
+
+    def seqs() -> list[Sequence]:
+        seeded = SamplingParams(temperature=0.8, seed=7, logprobs=2)
+        return [
+            Sequence(f"s{i}", tuple(range(3 + i, 40 + i)), GREEDY if i % 2 else seeded, 40)
+            for i in range(4)
+        ]
+
+    plain = core_of(tiny_checkpoint, **quant)
+    spec = core_of(tiny_checkpoint, speculative_config=config, **quant)
+    assert tokens_of(run_core(spec, seqs())) == tokens_of(run_core(plain, seqs()))
+    assert spec.scheduler.speculator.counters.accepted_tokens > 0
