@@ -31,6 +31,8 @@ from engine.core.pages import PagePool
 from engine.core.runner import Chunk, RowWork, StepPlan, StepResult
 from engine.core.speculation import (
     MAX_SPECULATIVE_TOKENS,
+    PAUSE_BELOW,
+    RECOVERY,
     DraftRequest,
     NgramProposer,
     Proposer,
@@ -343,6 +345,8 @@ class Scheduler:
                 seq.max_tokens - len(seq.output) - 1,
                 self.config.max_model_len - len(seq.tokens) - 1,
             )
+            if k <= 0 and seq.accepted_average < PAUSE_BELOW:
+                seq.accepted_average += RECOVERY  # paused: it tries again in a few steps
             if k <= 0 or not self._reserve(seq, seq.computed + 1 + k, None):
                 continue
             asked.append(

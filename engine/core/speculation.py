@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # the runner imports jax: the HTTP process reads this module 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
+PAUSE_BELOW = 0.25  # a sequence accepting fewer drafts on average pauses (Speculator)
+RECOVERY = 0.03  # ...and its average recovers this much a paused step
 _KEYS = {
     "ngram": frozenset(
         {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
@@ -206,8 +208,10 @@ class Speculator:
     """Proposes drafts for the scheduler's decode rows and keeps the counters.
 
     Backoff: a sequence proposes at most one more token than it has been accepting
-    (`average_accepted`), so a sequence whose drafts fail costs one extra row,
-    not k; at a full batch the scheduler has no rows to spare and nothing is proposed.
+    (`average_accepted`), and nothing while that average is below PAUSE_BELOW; each step
+    it pauses the average recovers by RECOVERY, so it tries one token again about every
+    five steps (a sequence whose drafts always fail costs a fifth of a row a step). At a
+    full batch the scheduler has no rows to spare and nothing is proposed.
     """
 
     config: SpeculativeConfig
@@ -215,6 +219,8 @@ class Speculator:
     counters: SpecCounters = field(default_factory=SpecCounters)
 
     def budget(self, accepted_average: float) -> int:
+        if accepted_average < PAUSE_BELOW:
+            return 0
         return min(self.config.num_speculative_tokens, int(accepted_average) + 1)
 
 
