@@ -227,7 +227,8 @@ class EngineCore:
     def warmup(self) -> None:
         self.runner.warmup()
         if self.draft is not None:
-            self.draft.runner.warmup()
+            self.draft.runner.warmup()  # its proposals' steps
+            self.draft.runner.warmup_fill()  # following the target's
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

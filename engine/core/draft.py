@@ -57,7 +57,7 @@ class DraftProposer:
         return out
 
     def follow(self, plan: StepPlan) -> None:
-        self.runner.execute(self.runner.prepare(plan))  # its K/V; its samples are not read
+        self.runner.fill(plan)  # its K/V only: no head, no sampling
 
 
 def draft_config(folder: str | Path, target: ModelConfig, tensor_parallel_size: int) -> ModelConfig:

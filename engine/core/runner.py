@@ -209,6 +209,20 @@ def step_program(
     return out, pages, counts, x
 
 
+def fill_program(
+    params: Params,
+    pages: tuple[jax.Array, ...],
+    batch: StepBatch,
+    inv_freq: jax.Array,
+    *,
+    cfg: ModelConfig,
+    attention: Attention,
+) -> tuple[jax.Array, ...]:
+    """The batch's K/V written into the pages, nothing sampled (a draft model following
+    the target's steps: no head, no sampling)."""
+    return forward(params, pages, batch, inv_freq, cfg, attention)[1]
+
+
 def prompt_logprobs_program(
     params: Params, x: jax.Array, following: jax.Array, *, cfg: ModelConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -301,6 +315,9 @@ class Runner:
         )
         self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
         self._recount = jax.jit(_recount, donate_argnums=(0,))
+        self._fill = jax.jit(
+            functools.partial(fill_program, cfg=cfg, attention=attention), donate_argnums=(1,)
+        )
         self._idle = host_arrays(SamplingParams(temperature=0.0, seed=0), cfg.vocab_size)
         self._host: dict[int, tuple[SamplingParams, SamplingArrays]] = {}  # by device row
         # multi-host: called with each call before it runs (the leader's followers)
@@ -319,6 +336,20 @@ class Runner:
             recount = ((0, ids),) if tokens == self.shapes.token_buckets[0] else ()
             call = self._call(idle, tokens, seqs, following=following, recount=recount)
             self.collect(idle, self.execute(call))
+
+    def warmup_fill(self) -> None:
+        """Compile `fill` for every shape (a draft model's runner)."""
+        idle = StepPlan(())
+        for tokens, seqs in self.shapes.pairs():
+            self.pages = self._fill(
+                self.params, self.pages, self._call(idle, tokens, seqs).batch, self.inv_freq
+            )
+        jax.block_until_ready(self.pages)
+
+    def fill(self, plan: StepPlan) -> None:
+        """Write the plan's K/V into the pages and nothing else; returns at once."""
+        batch = self.prepare(plan).batch
+        self.pages = self._fill(self.params, self.pages, batch, self.inv_freq)
 
     def step(self, plan: StepPlan) -> StepResult:
         """Prepare, run and collect one step (the whole of it, blocking)."""
