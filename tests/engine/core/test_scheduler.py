@@ -36,16 +36,21 @@ class FakeRunner:
         tokens = [
             next_token(c.tokens[-1], c.start + len(c.tokens), self.looping) for c in plan.chunks()
         ]
-        n = len(tokens)
-        starts, sample_rows = plan.offsets()
-        return StepResult(
-            tokens=np.asarray(tokens, np.int32),
-            logprobs=np.zeros(n, np.float32),
-            top_ids=np.zeros((n, MAX_LOGPROBS), np.int32),
-            top_logprobs=np.zeros((n, MAX_LOGPROBS), np.float32),
-            starts=starts,
-            sample_rows=sample_rows,
-        )
+        return result_of(plan, tokens)
+
+
+def result_of(plan: StepPlan, tokens: list[int]) -> StepResult:
+    """A fake runner's StepResult: these tokens, one per sampled row, no logprobs."""
+    n = len(tokens)
+    starts, sample_rows = plan.offsets()
+    return StepResult(
+        tokens=np.asarray(tokens, np.int32),
+        logprobs=np.zeros(n, np.float32),
+        top_ids=np.zeros((n, MAX_LOGPROBS), np.int32),
+        top_logprobs=np.zeros((n, MAX_LOGPROBS), np.float32),
+        starts=starts,
+        sample_rows=sample_rows,
+    )
 
 
 def alone(prompt: list[int], max_tokens: int, looping: bool = False) -> list[int]:

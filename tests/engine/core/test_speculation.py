@@ -15,8 +15,9 @@ from engine.core.pages import PagePool
 from engine.core.runner import StepPlan, StepResult
 from engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
 from engine.core.speculation import SpeculativeConfig, propose_ngram
-from engine.types import MAX_LOGPROBS, SamplingParams
+from engine.types import SamplingParams
 from tests.engine.conftest import core_of, run_core
+from tests.engine.core.test_scheduler import result_of
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'  # noqa: E501
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -93,16 +94,7 @@ class FakeRunner:
             inputs = [r.chunk.tokens[-1], *r.drafts]
             for j, last in enumerate(inputs):
                 tokens.append(self._next(last, r.sampling.seed or 0, r.generated + j))
-        n = len(tokens)
-        starts, sample_rows = plan.offsets()
-        return StepResult(
-            tokens=np.asarray(tokens, np.int32),
-            logprobs=np.zeros(n, np.float32),
-            top_ids=np.zeros((n, MAX_LOGPROBS), np.int32),
-            top_logprobs=np.zeros((n, MAX_LOGPROBS), np.float32),
-            starts=starts,
-            sample_rows=sample_rows,
-        )
+        return result_of(plan, tokens)
 
     def _next(self, last: int, seed: int, index: int) -> int:
         if self.distribution is None:
