@@ -205,7 +205,8 @@ class Harness:
         if setup.quantization == "int8":
             self.params = quantized_shapes(self.params)
         pages_sharding = NamedSharding(self.mesh, PartitionSpec(None, None, MODEL_AXIS, None))
-        one = jax.ShapeDtypeStruct(self.layout.shape, self.layout.dtype, sharding=pages_sharding)
+        layout = self.layout
+        one = jax.ShapeDtypeStruct(layout.shape, layout.array_dtype, sharding=pages_sharding)
         self.pages = tuple(one for _ in range(self.cfg.num_layers))
         self.pages_per_seq = -(-setup.max_model_len // setup.page_size)
         self.shapes = Shapes.of(

@@ -13,6 +13,12 @@ bytes; a query then reads its own head's lanes by being zero in the other's
 8-bit pages (`dtype` int8 or float8_*, engine.attention.kv_dtype) store each (token,
 kv head) row encoded: `write` encodes, `unpack` and `decode` give float32; an int8 row
 carries its scale in `scale_lanes` extra lanes after its values.
+
+`bits` keeps 16- and 8-bit float pages in an unsigned integer array of the same width
+(`array_dtype`), bitcast row by row as they are written and read (`view`): XLA:CPU
+scatters into and gathers from a bfloat16 or fp8 array through a conversion of the whole
+array, so a step there would cost in proportion to the whole cache (bench/README,
+"Quantization"). The same bits are stored either way; CPU sets it (engine.core.core).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from engine.attention import kv_dtype
 
@@ -37,6 +44,7 @@ class KVLayout:
     head_dim: int
     dtype: str = "float32"  # the pages' (engine.attention.kv_dtype.storage_dtype)
     fold: int = 1  # adjacent kv heads side by side in one row of lanes
+    bits: bool = False  # 16- and 8-bit float pages in an unsigned integer array (XLA:CPU)
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "kv_heads", "head_dim", "fold"):
@@ -63,6 +71,15 @@ class KVLayout:
         return kv_dtype.is_quantized(self.dtype)
 
     @property
+    def array_dtype(self) -> str:
+        """The page array's dtype: `dtype`, or with `bits` an unsigned integer of its width
+        where `dtype` is a 16- or 8-bit float."""
+        kind = np.dtype(self.dtype)
+        if self.bits and kind.kind not in "iu" and kind.itemsize < 4:
+            return f"uint{8 * kind.itemsize}"
+        return self.dtype
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
         return (self.num_pages, self.page_size, self.combined_heads, self.lanes + self.scale_lanes)
 
@@ -77,7 +94,13 @@ class KVLayout:
         return self.page_bytes // self.page_size
 
     def empty(self) -> jax.Array:
-        return jnp.zeros(self.shape, self.dtype)
+        return jnp.zeros(self.shape, self.array_dtype)
+
+    def view(self, rows: jax.Array) -> jax.Array:
+        """Rows read from the page array, in `dtype` (with `bits`: bitcast back)."""
+        if self.array_dtype == self.dtype:
+            return rows
+        return lax.bitcast_convert_type(rows, jnp.dtype(self.dtype))
 
     def pack(self, k: jax.Array, v: jax.Array) -> jax.Array:
         """New keys and values (T, kv_heads, head_dim) -> rows (T, combined_heads, lanes)."""
@@ -89,8 +112,7 @@ class KVLayout:
     def unpack(self, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Pages (..., combined_heads, lanes) -> keys and values (..., kv_heads, head_dim)
         (8-bit pages: decoded, float32)."""
-        if self.quantized:
-            pages = self.decode(pages)
+        pages = self.decode(pages) if self.quantized else self.view(pages)
         lead = pages.shape[:-2]
         k = pages[..., 0::2, :].reshape(*lead, self.kv_heads, self.head_dim)
         v = pages[..., 1::2, :].reshape(*lead, self.kv_heads, self.head_dim)
@@ -101,11 +123,13 @@ class KVLayout:
         place: one scatter. A slot past the last page (padding) writes nothing."""
         flat = pages.reshape(self.num_pages * self.page_size, self.combined_heads, self.shape[-1])
         rows = kv_dtype.encode(self.pack(k, v), self.dtype)
+        if self.array_dtype != self.dtype:
+            rows = lax.bitcast_convert_type(rows, jnp.dtype(self.array_dtype))
         return flat.at[slots].set(rows, mode="drop").reshape(pages.shape)
 
     def decode(self, rows: jax.Array) -> jax.Array:
         """Stored rows (..., lanes + scale_lanes) -> their values in float32 (..., lanes)."""
-        return kv_dtype.decode(rows, self.dtype)
+        return kv_dtype.decode(self.view(rows), self.dtype)
 
 
 # A batch is built on the host (numpy) and read on the device (jax): either is fine.

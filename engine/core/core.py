@@ -120,7 +120,8 @@ class EngineCore:
         platform = self.mesh.devices.flat[0].platform
         fold = 128 // cfg.head_dim if platform == "tpu" and cfg.head_dim < 128 else 1
         kv_dtype = storage_dtype(config.kv_cache_dtype, config.dtype)
-        probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold)
+        bits = platform == "cpu"  # KVLayout.bits: XLA:CPU's 16/8-bit float scatters
+        probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold, bits)
         # A chunk fits beside every decode row, so a prompt never waits for them to end.
         room = config.max_num_batched_tokens - config.max_num_seqs
         chunk = max(config.page_size, min(config.chunk_size, room))
@@ -153,7 +154,7 @@ class EngineCore:
         count = functools.partial(pages_for_budget, budget, probe, layers, self.mesh)
         num_pages = count() if agree_pages is None else agree_pages(count)
         layout = KVLayout(
-            num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold
+            num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold, bits
         )
         pool = PagePool(num_pages, config.page_size, prefix_caching=config.prefix_caching)
         self.draft: DraftProposer | None = None
