@@ -11,7 +11,7 @@ rotating from round to round. Each runs:
 - `copy`, c = 1: 6 greedy requests one after another, random 64-token prompts, 128 tokens
   out (ignore_eos). The benchmark checkpoints have random weights and greedy decoding
   falls into loops in them part of the time (on 100m, about 40% of next tokens are what a
-  1-token lookup predicts). TPOT per request: (last chunk - first chunk) / (tokens - 1),
+  1-3 token lookup predicts). TPOT per request: (last chunk - first chunk) / (tokens - 1),
   median.
 - `loop`, c = 1: the copy-heavy case, prompts whose continuation repeats text from the
   prompt. Built once, before the rounds, with the plain server: each random 64-token
@@ -95,7 +95,8 @@ def cut_down(target: Path, into: Path, layers: int) -> Path:
 
 
 def predicted(tokens: Sequence[int], start: int, count: int) -> float:
-    """Fraction of tokens[start:start+count] that a 1-token n-gram lookup (1-3) predicts."""
+    """Fraction of tokens[start:start+count] that an n-gram lookup (lengths 1-3) of the
+    tokens before each proposes as its next token."""
     hits = [propose_ngram(tokens[:j], 1, 1, 3) == [tokens[j]] for j in range(start, start + count)]
     return sum(hits) / count
 
