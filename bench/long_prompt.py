@@ -30,6 +30,7 @@ import numpy as np
 
 from bench.loadgen import Target, stream_one
 from bench.metrics import RequestRecord, percentile
+from bench.report import emit
 from bench.run_serving import checkpoint
 from bench.servers import ours, started
 from bench.workload import RequestSpec
@@ -144,10 +145,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "p99_with_over_p50_alone": [round(r["p99_with_over_p50_alone"], 2) for r in rounds],
         "worst_during_over_p50_alone": [round(r["worst_during_over_p50_alone"], 2) for r in rounds],
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json is not None:
-        args.json.write_text(text)
+    emit(report, args.json)
     return report
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import json
 import re
 import tempfile
 import threading
@@ -32,6 +31,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.report import emit
 from bench.servers import ours, started
 
 RUNNING = re.compile(r"^llm_requests_running\{[^}]*\} ([0-9.e+]+)$", re.M)
@@ -131,10 +131,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report["running_ratio"] = round(
         report["paged"]["peak_running"] / max(1.0, report["slot"]["peak_running"]), 2
     )
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json is not None:
-        args.json.write_text(text)
+    emit(report, args.json)
     return report
 
 

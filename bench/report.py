@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Any
 
 
+def emit(report: dict[str, Any], path: Path | None) -> None:
+    """A benchmark's JSON report: printed, and written to `path` (its --json) if given."""
+    text = json.dumps(report, indent=1)
+    print(text)
+    if path is not None:
+        path.write_text(text)
+
+
 def _f(value: Any, digits: int = 1) -> str:
     if value is None or value != value:
         return "-"

@@ -40,6 +40,7 @@ import httpx
 import numpy as np
 
 from bench.loadgen import Target, run_requests
+from bench.report import emit
 from bench.run_serving import checkpoint
 from bench.servers import ServerSpec, ours, started
 from bench.workload import RequestSpec
@@ -218,10 +219,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "draft_layers": args.draft_layers,
         "rounds": rounds,
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json is not None:
-        args.json.write_text(text)
+    emit(report, args.json)
     return report
 
 
