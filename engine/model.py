@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from engine import rowwise
 from engine.config import ModelConfig
 
 Params = dict[str, Any]
@@ -50,7 +51,7 @@ def _project(lp: Params, x: jax.Array, name: str) -> jax.Array:
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(F32)
-    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    normed = xf * lax.rsqrt(rowwise.mean(xf * xf) + eps)  # the same bits in any batch
     return weight * normed.astype(x.dtype)
 
 

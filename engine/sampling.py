@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from engine import rowwise
 from engine.token_mask import token_bitmask
 from engine.types import INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
@@ -152,7 +153,7 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     kth = _per_row(fast_k, kth_fast, lambda: _bisect(keys, lambda up: jnp.sum(up, -1) >= k))
     keep = keys >= kth[:, None]
 
-    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    probs = rowwise.softmax(jnp.where(keep, scaled, -jnp.inf))
     prob_keys = _sortable(probs)
     best_p, _ = lax.top_k(probs, cand)
     before = jnp.cumsum(best_p, axis=-1) - best_p
@@ -162,7 +163,7 @@ def _filter_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     tau = _per_row(
         fast_p,
         tau_fast,
-        lambda: _bisect(prob_keys, lambda up: jnp.sum(jnp.where(up, probs, 0), -1) >= top_p),
+        lambda: _bisect(prob_keys, lambda up: rowwise.tree_sum(jnp.where(up, probs, 0)) >= top_p),
     )
     nucleus = (prob_keys >= tau[:, None]) | (top_p >= 1.0)[:, None]
     return keep & nucleus
@@ -182,7 +183,7 @@ def _inverse_cdf(probs: jax.Array, uniform: jax.Array, block: int = 256) -> jax.
     rows, vocab = probs.shape
     probs = jnp.pad(probs, ((0, 0), (0, -vocab % block)))
     blocks = probs.reshape(rows, -1, block)
-    block_cdf = jnp.cumsum(jnp.sum(blocks, axis=-1), axis=-1)
+    block_cdf = jnp.cumsum(rowwise.tree_sum(blocks), axis=-1)
     target = uniform * block_cdf[:, -1]
     last_block = _last_true(
         block_cdf > jnp.concatenate([jnp.zeros((rows, 1)), block_cdf[:, :-1]], -1)
@@ -423,7 +424,7 @@ def _adjust(
 
 def _logprobs(logits: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(logprob of token, top MAX_LOGPROBS logprobs, their ids) of the raw logits, per row."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = rowwise.log_softmax(logits)
     top_lps, top_ids = top_logprobs(logprobs)
     chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
     return chosen, top_lps, top_ids.astype(jnp.int32)
@@ -485,7 +486,7 @@ def _draw(adjusted: jax.Array, params: SamplingArrays, index: jax.Array) -> jax.
         lambda s: jnp.ones(s.shape, bool),
         scaled,
     )
-    probs = jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    probs = rowwise.softmax(jnp.where(keep, scaled, -jnp.inf))
     keys = jax.vmap(jax.random.fold_in)(params.key, index)
     uniform = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
     return _inverse_cdf(probs, uniform)

@@ -36,25 +36,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from engine.attention.layout import AttentionBatch, KVLayout
+from engine.rowwise import tree_sum
 
 F32 = jnp.float32
 NEG_INF = -jnp.inf
 GROUP_ROWS = 8  # decode rows per group: one shape for every bucket, cache-sized blocks
 TILE_QUERIES = 128  # queries of a chunk per tile: a chunk's tail wastes at most this
+# Chunks smaller than this still get tiles this big: with 16-query tiles XLA:CPU gave a
+# query other bits in programs of other token counts (tests/engine/core/test_core.py).
+MIN_TILE_QUERIES = 32
 DECODE_BLOCK_TOKENS = 32  # positions a decode group reads per row an iteration (whole pages)
 TILE_BLOCK_TOKENS = 128  # positions a query tile reads an iteration (whole pages)
 
 Carry = tuple[jax.Array, jax.Array, jax.Array]
-
-
-def tree_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis as a fixed tree of elementwise adds: the same bits for a
-    row whatever the array's other dimensions (jnp.sum's order depends on them)."""
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        head = x[..., :half] + x[..., half : 2 * half]
-        x = jnp.concatenate([head, x[..., 2 * half :]], axis=-1) if x.shape[-1] % 2 else head
-    return x[..., 0]
 
 
 def online_update(carry: Carry, scores: jax.Array, seen: jax.Array) -> tuple[Carry, jax.Array]:
@@ -85,8 +79,9 @@ class CpuAttention:
 
     `chunk_size` and `max_prefill_seqs` are the scheduler's bounds on a step's prompt
     chunks. Any ragged batch is attended correctly, so they size no buffer: chunk_size
-    only caps the tile (no chunk needs a bigger one). The sizes after them are for tests
-    and bench.attention_bench; bits match across batches for one choice of them.
+    only caps the tile (no chunk needs a bigger one), down to MIN_TILE_QUERIES. The
+    sizes after them are for tests and bench.attention_bench; bits match across batches
+    for one choice of them.
     """
 
     def __init__(
@@ -117,7 +112,7 @@ class CpuAttention:
         self.chunk_size = chunk_size
         self.max_prefill_seqs = max_prefill_seqs
         self.group_rows = group_rows
-        self.tile_queries = min(tile_queries, chunk_size)
+        self.tile_queries = min(tile_queries, max(chunk_size, MIN_TILE_QUERIES))
         self.decode_pages = max(1, decode_block_tokens // layout.page_size)
         self.tile_pages = max(1, tile_block_tokens // layout.page_size)
 

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from engine import rowwise
 from engine.attention import Attention, KVLayout
 from engine.config import ModelConfig
 from engine.model import Params
@@ -228,7 +229,7 @@ def prompt_logprobs_program(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each token's logprob of the token after it (`following`; padding any id) and the
     MAX_LOGPROBS best, from the step's hidden states."""
-    logprobs = jax.nn.log_softmax(head_logits(params, x, cfg), axis=-1)
+    logprobs = rowwise.log_softmax(head_logits(params, x, cfg))
     index = jnp.clip(following, 0, logprobs.shape[-1] - 1)
     chosen = jnp.take_along_axis(logprobs, index[:, None], axis=-1)[:, 0]
     values, ids = top_logprobs(logprobs)

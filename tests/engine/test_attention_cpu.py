@@ -31,7 +31,7 @@ from engine.attention import (
     attention_backend,
     cpu,
 )
-from engine.attention.cpu import online_update, tree_sum
+from engine.attention.cpu import online_update
 from engine.paged_model import Chunk, make_batch
 
 PAGE = 16
@@ -294,14 +294,6 @@ def test_a_fully_masked_block_keeps_the_state_bit_for_bit() -> None:
     assert not np.asarray(probs).any()
     for before, after in ((top, new_top), (total, new_total), (acc, new_acc)):
         assert np.array_equal(np.asarray(before), np.asarray(after))
-
-
-def test_tree_sum_does_not_depend_on_the_other_rows() -> None:
-    x = jnp.asarray(np.random.default_rng(6).standard_normal((64, 3, 48)), jnp.float32)
-    whole = np.asarray(jax.jit(tree_sum)(x))
-    parts = [np.asarray(jax.jit(tree_sum)(x[i : i + 4])) for i in range(0, 64, 4)]
-    assert np.array_equal(np.concatenate(parts), whole)
-    np.testing.assert_allclose(whole, np.asarray(x).sum(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_the_backend_per_platform() -> None:

@@ -5,15 +5,25 @@ prompt chunks and decode rows."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from engine.attention import KVLayout, ReferenceAttention
 from engine.checkpoint import load_params
 from engine.config import load_model_config
-from engine.paged_model import Chunk, forward, head_logits, make_batch
+from engine.paged_model import (
+    HEAD_MAX_ROWS,
+    Chunk,
+    forward,
+    head_logits,
+    hidden_major_head,
+    make_batch,
+)
+from engine.quant import quantize_params
 
 PAGE = 8
 
@@ -103,3 +113,46 @@ def test_make_batch_rejects_too_few_pages() -> None:
             page_size=PAGE,
             num_pages=4,
         )
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied"])
+def test_hidden_major_head_gives_the_checkpoint_layouts_logits(tiny_checkpoint_of, arch) -> None:
+    folder = tiny_checkpoint_of(arch)
+    cfg = load_model_config(folder)
+    params = jax.device_put(load_params(folder, cfg, "float32"))
+    moved = hidden_major_head(params, cfg)
+    if cfg.tie_word_embeddings:
+        assert moved is params  # the embedding is the head: no transposed copy is made
+        return
+    assert "lm_head" not in moved
+    np.testing.assert_array_equal(np.asarray(moved["lm_head_t"]), np.asarray(params["lm_head"]).T)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((6, cfg.hidden_size), np.float32))
+    np.testing.assert_allclose(
+        np.asarray(head_logits(moved, x, cfg)), np.asarray(head_logits(params, x, cfg)), rtol=1e-5
+    )
+    quantized = quantize_params(params, "int8")
+    assert hidden_major_head(quantized, cfg) is quantized  # int8 keeps its per-row scales
+
+
+def test_hidden_major_head_gives_a_row_the_same_bits_in_any_number_of_rows(
+    tiny_checkpoint_of,
+) -> None:
+    """At a served model's head shape (hidden 256, a Llama 3 sized vocabulary): a row's
+    logits are the same bits whether it is computed alone or among 3 to 128 rows (the
+    runner's buckets: a batch's rows, a speculative verify's, prompt logprobs' tokens)."""
+    cfg = replace(load_model_config(tiny_checkpoint_of("llama")), hidden_size=256)
+    rng = np.random.default_rng(1)
+    vocab = 128256
+    params = {
+        "final_norm": jnp.ones((256,), jnp.float32),
+        "lm_head": jnp.asarray(rng.standard_normal((vocab, 256), np.float32) * 0.02),
+    }
+    params = hidden_major_head(params, cfg)
+    head = jax.jit(functools.partial(head_logits, cfg=cfg))
+    x = rng.standard_normal((128, 256), np.float32)
+    alone = np.stack([np.asarray(head(params, x[i : i + 1]))[0] for i in (0, 2, 31, 32, 63, 127)])
+    for rows in (3, 8, HEAD_MAX_ROWS, 2 * HEAD_MAX_ROWS, 128):
+        got = np.asarray(head(params, x[:rows]))
+        for j, i in enumerate((0, 2, 31, 32, 63, 127)):
+            if i < rows:
+                np.testing.assert_array_equal(got[i], alone[j], err_msg=f"row {i} of {rows}")

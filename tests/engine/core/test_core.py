@@ -6,6 +6,9 @@ being preempted; seeded sampling likewise."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -107,6 +110,30 @@ def test_alone_batched_preempted_and_cached_give_the_same_tokens(folder) -> None
         assert sum(s.cached_tokens for s in again) >= 64  # every prompt's whole pages
 
 
+def logprob_events(
+    core: EngineCore, ps: list[list[int]], ids: Iterable[int], sampling: SamplingParams
+) -> dict[str, list[tuple[int, float]]]:
+    """Prompts `ids` of `ps` run together: each one's (token, logprob) pairs."""
+    seqs = [Sequence(f"s{i}", tuple(ps[i]), sampling, 6) for i in ids]
+    return {k: [(e.token, e.logprob) for e in v] for k, v in run(core, seqs).items()}
+
+
+def test_logprob_bits_alone_and_among_31_others_at_a_served_width(tiny_checkpoint_of) -> None:  # type: ignore[no-untyped-def]
+    """Hidden 256, 32 rows a step: where XLA:CPU's own reductions (jnp.mean in the norms,
+    jax.nn.softmax in a draw) give a row other bits among 16 or more rows."""
+    wide = tiny_checkpoint_of("llama", hidden_size=256, intermediate_size=512)
+    vocab = load_model_config(wide).vocab_size
+    rng = np.random.default_rng(4)
+    ps = [rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(5, 30, 32)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11, logprobs=2)
+    for sampling in (replace(GREEDY, logprobs=2), seeded):
+        core = make(wide, max_num_seqs=32, max_num_batched_tokens=256, num_pages=256)
+        batched = logprob_events(core, ps, range(32), sampling)
+        for i in (0, 13, 31):
+            alone = logprob_events(core, ps, [i], sampling)
+            assert alone[f"s{i}"] == batched[f"s{i}"], (sampling, i)
+
+
 def test_stop_tokens_max_tokens_and_abort(folder) -> None:  # type: ignore[no-untyped-def]
     core = make(folder)
     p = prompts(core.model_config.vocab_size)[1]
@@ -181,8 +208,6 @@ class OnlyMatcher:
 
 
 def test_a_grammar_masks_every_token_and_ends_the_sample(folder) -> None:  # type: ignore[no-untyped-def]
-    from dataclasses import replace
-
     core = make(folder)
     vocab = core.model_config.vocab_size
     ps = prompts(vocab)

@@ -72,8 +72,11 @@ def test_params_and_pages_are_split_over_the_mesh(tiny_checkpoint_of, tp: int) -
         assert array.sharding.spec == PartitionSpec(*spec), name
         axis = len(spec) - 1
         assert all(s.data.shape[axis] * tp == array.shape[axis] for s in array.addressable_shards)
-    for name in ("embed", "lm_head"):  # (vocab, hidden), split by vocabulary rows
-        assert params[name].sharding.spec == PartitionSpec("model"), name
+    assert params["embed"].sharding.spec == PartitionSpec("model")  # by vocabulary rows
+    # on CPU the untied head is kept hidden-major (engine.paged_model.hidden_major_head)
+    assert "lm_head" not in params
+    assert params["lm_head_t"].sharding.spec == PartitionSpec(None, "model")
+    assert params["lm_head_t"].shape == (cfg.hidden_size, cfg.vocab_size)
     pages = core.runner.pages[0]
     assert pages.sharding.spec == PartitionSpec(None, None, "model", None)
     assert {s.data.shape[2] for s in pages.addressable_shards} == {2 * cfg.num_kv_heads // tp}
