@@ -283,6 +283,11 @@ def join(coordinator: str, process_id: int, timeout: float) -> socket.socket:
     while True:
         try:
             conn = socket.create_connection(address, timeout=_RETRY_S * 5)
+            if conn.getsockname() == conn.getpeername():
+                # nobody listens and the kernel gave the connecting socket that very port
+                # as its own (TCP self-connect): it reached itself, not process 0
+                conn.close()
+                raise ConnectionRefusedError("connected to itself")
             break
         except OSError as exc:
             if time.monotonic() > deadline:

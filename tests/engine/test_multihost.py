@@ -242,6 +242,25 @@ def test_waiting_in_vain_is_a_clear_error_within_the_timeout() -> None:
     assert time.monotonic() - started < 5
 
 
+def test_a_follower_that_connects_to_itself_has_not_reached_process_0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With nobody on process 0's port, a connect from a local port in the ephemeral range
+    can be given that same port and reach itself (TCP self-connect): not a leader."""
+
+    def self_connected(address: tuple[str, int], timeout: float) -> socket.socket:
+        conn = socket.socket()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # again on every retry
+        conn.bind(address)
+        conn.connect(address)  # simultaneous open with itself
+        return conn
+
+    monkeypatch.setattr(multihost.socket, "create_connection", self_connected)
+    address = coordinator()
+    with pytest.raises(RuntimeError, match=r"could not reach process 0 .*connected to itself"):
+        multihost.join(address, 1, 0.5)
+
+
 def follow_in_thread(messages: list[bytes]) -> list[Any]:
     """`follow` on one end of a socket pair, fed `messages` (then closed) from the other."""
     mine, theirs = socket.socketpair()
