@@ -28,6 +28,7 @@ from engine.core.runner import Launched, Runner, StepPlan
 from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
 from engine.core.speculation import SpeculativeConfig
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
+from engine.model import Params
 from engine.paged_model import hidden_major_head
 from engine.quant import QUANTIZATIONS, param_bytes, quantize_params
 from engine.types import EngineLimits
@@ -128,10 +129,7 @@ class EngineCore:
         chunk = max(config.page_size, min(config.chunk_size, room))
         chunk -= chunk % config.page_size
         self.chunk_size = chunk
-        params = place_checkpoint_params(config.model_path, cfg, config.dtype, self.mesh)
-        params = quantize_params(params, config.quantization)
-        if platform == "cpu":  # XLA:CPU's faster head product (hidden_major_head)
-            params = hidden_major_head(params, cfg)
+        params = self._params(config.model_path, cfg, platform)
         self.weight_bytes = param_bytes(params)
         spec = config.speculative
         draft_cfg, draft_params = None, None
@@ -139,10 +137,7 @@ class EngineCore:
             if agree_pages is not None:
                 raise ValueError("a draft model is not supported with multi-host serving yet")
             draft_cfg = draft_config(spec.model, cfg, config.tensor_parallel_size)
-            draft_params = place_checkpoint_params(spec.model, draft_cfg, config.dtype, self.mesh)
-            draft_params = quantize_params(draft_params, config.quantization)
-            if platform == "cpu":
-                draft_params = hidden_major_head(draft_params, draft_cfg)
+            draft_params = self._params(spec.model, draft_cfg, platform)
             self.weight_bytes += param_bytes(draft_params)
         layers = cfg.num_layers  # a page holds every layer's K/V, the draft's layers' too
         if draft_cfg is not None:
@@ -225,6 +220,13 @@ class EngineCore:
             chunk,
             type(attention).__name__,
         )
+
+    def _params(self, path: str | Path, cfg: ModelConfig, platform: str) -> Params:
+        """A checkpoint's params placed on the mesh, quantized as configured, in the
+        backend's head layout (CPU: hidden_major_head, XLA:CPU's faster head product)."""
+        params = place_checkpoint_params(path, cfg, self.config.dtype, self.mesh)
+        params = quantize_params(params, self.config.quantization)
+        return hidden_major_head(params, cfg) if platform == "cpu" else params
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
