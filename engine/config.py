@@ -50,6 +50,13 @@ class ModelConfig:
     # `kv_replicas` times when there are fewer kv heads than devices (vLLM's way).
     shards: int = 1
     kv_replicas: int = 1
+    # Norms and prompt logprobs sum a row as a fixed tree of adds (engine.rowwise): the
+    # same bits in any batch. False where the backend's own reduce is used instead (TPU,
+    # where each level of the tree is a pass over memory; engine.core.core decides).
+    fixed_order_sums: bool = True
+    # RoPE's rotate-half as a product with a signed permutation (exact: one nonzero term
+    # per output) instead of two half-width slices: TPU pads each 64-lane half to 128.
+    rope_by_product: bool = False
 
     @property
     def q_size(self) -> int:

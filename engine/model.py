@@ -14,10 +14,12 @@ one group of columns per device.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from engine import rowwise
@@ -49,30 +51,47 @@ def _project(lp: Params, x: jax.Array, name: str) -> jax.Array:
     return project(x, lp[name], lp.get(name + "_scale"))
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, tree: bool = True) -> jax.Array:
+    """`tree`: the mean as a fixed tree of adds, the same bits in any batch (engine.rowwise)."""
     xf = x.astype(F32)
-    normed = xf * lax.rsqrt(rowwise.mean(xf * xf) + eps)  # the same bits in any batch
+    normed = xf * lax.rsqrt(rowwise.mean(xf * xf, tree) + eps)
     return weight * normed.astype(x.dtype)
 
 
 def rope_tables(positions: jax.Array, inv_freq: jax.Array, dtype: Any) -> tuple[jax.Array, ...]:
-    """cos, sin of shape positions.shape + (head_dim,), in the rotate-half convention."""
+    """cos, sin of shape positions.shape + (head_dim // 2,): one angle per pair of lanes
+    (the rotate-half convention pairs lane i with lane i + head_dim // 2)."""
     freqs = positions.astype(F32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    return jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x (..., heads, head_dim); cos/sin (..., head_dim) broadcast over heads."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[..., None, :] + rotated * sin[..., None, :]
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, by_product: bool = False) -> jax.Array:
+    """x (..., heads, head_dim); cos/sin (..., head_dim // 2) broadcast over heads:
+    x cos + rotate_half(x) sin. rotate_half(x) is two half-width slices swapped, or with
+    `by_product` x times a signed permutation (one nonzero term per output, so exact at
+    HIGHEST precision): the same bits without half-width copies, which TPU pads to 128
+    lanes (ModelConfig.rope_by_product)."""
+    d = x.shape[-1]
+    half = d // 2
+    if by_product:
+        perm = np.zeros((d, d), np.float32)
+        perm[np.arange(half, d), np.arange(half)] = -1.0  # out[i] = -x[i + half]
+        perm[np.arange(half), np.arange(half, d)] = 1.0  # out[i + half] = x[i]
+        rotated = lax.dot_general(
+            x, jnp.asarray(perm, x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
+            precision=lax.Precision.HIGHEST, preferred_element_type=x.dtype,
+        )  # fmt: skip
+    else:
+        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    c = jnp.concatenate([cos, cos], axis=-1)[..., None, :]
+    s = jnp.concatenate([sin, sin], axis=-1)[..., None, :]
+    return x * c + rotated * s
 
 
 def attention_inputs(
     lp: Params, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
     qkv = _project(lp, h, "wqkv")
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
@@ -84,7 +103,8 @@ def attention_inputs(
     q = qkv[..., :q_end].reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = qkv[..., q_end:k_end].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[..., k_end:].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    rope = functools.partial(apply_rope, cos=cos, sin=sin, by_product=cfg.rope_by_product)
+    return rope(q), rope(k), v
 
 
 def layer_output(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -93,7 +113,7 @@ def layer_output(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) ->
     if "bo" in lp:
         out = out + lp["bo"]
     x = x + out
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
     lead = x.shape[:-1]
     gate_up = _project(lp, h, "w_gate_up")
     gate_up = gate_up.reshape(*lead, cfg.shards, -1)  # per shard gate, up

@@ -103,7 +103,7 @@ def head_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     stored: no transposed copy of it exists. An untied head that `hidden_major_head`
     stored as "lm_head_t" (hidden, vocab) goes through `_hidden_major` instead.
     """
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
     if "lm_head_t" in params:
         return _hidden_major(x, params["lm_head_t"])
     name = "lm_head" if "lm_head" in params else "embed"

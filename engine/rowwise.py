@@ -8,6 +8,10 @@ XLA's reduce orders its adds by the whole array's shape: on XLA:CPU a row's jnp.
 over a 128k vocabulary), and so do jnp.mean and jax.nn.softmax. A sequence's logits and
 draws would then depend on how many others share its step. A fixed tree of elementwise
 adds gives a row the same bits in any batch (tests/engine/test_rowwise.py).
+
+`tree=False` takes XLA's own reduce instead: for a backend where it already keeps a row's
+bits and the tree costs a pass over memory per level (TPU, chosen in engine.core.core by
+`ModelConfig.fixed_order_sums`); the tree is the reference either way.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ def tree_sum(x: jax.Array) -> jax.Array:
     return x[..., 0]
 
 
-def mean(x: jax.Array) -> jax.Array:
+def row_sum(x: jax.Array, tree: bool = True) -> jax.Array:
+    """Sum over the last axis: `tree_sum`, or XLA's reduce (tree=False)."""
+    return tree_sum(x) if tree else jnp.sum(x, axis=-1)
+
+
+def mean(x: jax.Array, tree: bool = True) -> jax.Array:
     """Mean over the last axis, keeping it (as jnp.mean(..., keepdims=True))."""
-    return (tree_sum(x) / x.shape[-1])[..., None]
+    return (row_sum(x, tree) / x.shape[-1])[..., None]
 
 
 def _shifted(x: jax.Array) -> jax.Array:
@@ -43,7 +52,7 @@ def softmax(x: jax.Array) -> jax.Array:
     return e / tree_sum(e)[..., None]
 
 
-def log_softmax(x: jax.Array) -> jax.Array:
+def log_softmax(x: jax.Array, tree: bool = True) -> jax.Array:
     """jax.nn.log_softmax over the last axis."""
     shifted = _shifted(x)
-    return shifted - jnp.log(tree_sum(jnp.exp(shifted)))[..., None]
+    return shifted - jnp.log(row_sum(jnp.exp(shifted), tree))[..., None]

@@ -50,3 +50,18 @@ def test_values_match_numpy_and_jax_nn() -> None:
         )
     masked = jnp.full((1, 16), -jnp.inf)  # nothing left: NaN, as jax.nn.softmax gives
     assert np.isnan(np.asarray(rowwise.softmax(masked))).all()
+
+
+def test_the_backends_own_reduce_is_the_same_function() -> None:
+    """tree=False (TPU's choice, ModelConfig.fixed_order_sums) sums with XLA's reduce:
+    the same values to rounding."""
+    x = np.random.default_rng(1).standard_normal((8, 4096)).astype(np.float32)
+    np.testing.assert_allclose(rowwise.row_sum(jnp.asarray(x), tree=False), x.sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(
+        rowwise.mean(jnp.asarray(x), tree=False), rowwise.mean(jnp.asarray(x)), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        rowwise.log_softmax(jnp.asarray(x), tree=False),
+        rowwise.log_softmax(jnp.asarray(x)),
+        rtol=1e-5,
+    )
