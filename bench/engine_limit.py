@@ -6,8 +6,9 @@ Run: `python -m bench.engine_limit --model DIR --slots 32 --max-model-len 1024 \
 No server, no client, no tokenizer: an EngineCore in this process, `slots` sequences of
 one `prompt-len` prompt added at once and stepped until every one decodes (the prefix
 cache makes every prompt after the first a hit), then `steps` more steps timed (the
-scheduler's plan, the runner's step and its host copy: the loop the core process runs,
-minus its sockets). The contexts grow from prompt-len as a serving run's do. The figure
+scheduler's plan, the runner's step and its host copy, with one step in flight as the
+core's loop runs them unless `--no-async-scheduling`: that loop minus its sockets). The
+contexts grow from prompt-len as a serving run's do. The figure
 is the median of `rounds` such runs. The serving runner starts this in its own process,
 before and after the servers, so the two never share cores.
 """
@@ -24,8 +25,29 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def timed_steps(core: Any, steps: int) -> float:
+    """Seconds for `steps` steps, dispatched as engine.core.loop does: the next before
+    waiting for the one in flight, when the core schedules asynchronously."""
+    ahead = core.config.async_scheduling
+    started = time.perf_counter()
+    pending = core.launch()
+    for _ in range(steps - 1):
+        following = core.launch(ahead=True) if ahead else None
+        core.finish(pending)
+        pending = following if following is not None else core.launch()
+    core.finish(pending)
+    return time.perf_counter() - started
+
+
 def engine_tok_s(
-    model: str, slots: int, max_model_len: int, prompt_len: int, steps: int, rounds: int, dtype: str
+    model: str,
+    slots: int,
+    max_model_len: int,
+    prompt_len: int,
+    steps: int,
+    rounds: int,
+    dtype: str,
+    async_scheduling: bool = True,
 ) -> dict[str, Any]:
     from engine.core.core import CoreConfig, EngineCore
     from engine.core.scheduler import Sequence
@@ -37,6 +59,7 @@ def engine_tok_s(
         CoreConfig(
             model_path=model, dtype=dtype, max_num_seqs=slots, max_model_len=max_model_len,
             max_num_batched_tokens=max(256, slots), chunk_size=256,
+            async_scheduling=async_scheduling,
         )
     )  # fmt: skip
     core.warmup()
@@ -51,10 +74,7 @@ def engine_tok_s(
             core.scheduler.waiting
         ):
             core.step()  # every prompt in, every row decoding
-        started = time.perf_counter()
-        for _ in range(steps):
-            core.step()
-        rates.append(slots * steps / (time.perf_counter() - started))
+        rates.append(slots * steps / timed_steps(core, steps))
         while core.scheduler.busy:
             core.step()
     rates = rates[1:]
@@ -63,6 +83,7 @@ def engine_tok_s(
         "prompt_len": prompt_len,
         "steps": steps,
         "dtype": dtype,
+        "async_scheduling": async_scheduling,
         "tok_per_s": statistics.median(rates),
         "tok_per_s_rounds": rates,
         "step_ms": 1e3 * slots / statistics.median(rates),
@@ -78,10 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--no-async-scheduling", dest="async_scheduling", action="store_false",
+        help="one step at a time (the core's --no-async-scheduling)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     result = engine_tok_s(
         args.model, args.slots, args.max_model_len, args.prompt_len, args.steps, args.rounds,
-        args.dtype,
+        args.dtype, args.async_scheduling,
     )  # fmt: skip
     print(json.dumps(result))
 

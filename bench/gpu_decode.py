@@ -7,8 +7,10 @@ CPU here first, with `--layers 2`, to check it end to end).
 
 For each (config, batch): random bfloat16 params in the checkpoint layout
 (engine.paged_model), KV pages for every sequence at `--context` positions, then the
-engine core's step (engine.core.runner's forward + sample, greedy) timed over `--steps`
-calls after one warm-up call. Prints and writes tokens/s, the step time, the bytes a
+engine core's step (engine.core.runner's forward + sample, greedy, each row fed the
+token it sampled last on the device) timed over `--steps` calls after one warm-up call,
+each waited for, then again dispatched back to back (one step in flight, as the core's
+loop runs them: `*_in_flight`). Prints and writes tokens/s, the step time, the bytes a
 step must move (every weight once, each sequence's live K/V, the new K/V) and the
 memory-bandwidth utilization: those bytes / step time / `--bandwidth` (the H200's
 4.8 TB/s by default). Attention is the backend jax's platform gets
@@ -33,7 +35,7 @@ import numpy as np
 
 from bench.model_shapes import checkpoint_shapes, model_config
 from engine.attention import KVLayout, attention_backend
-from engine.core.runner import step_program
+from engine.core.runner import carried_step_program
 from engine.paged_model import Chunk, make_batch
 from engine.sampling import SamplingArrays, host_arrays
 from engine.types import SamplingParams
@@ -63,10 +65,13 @@ def run_one(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     platform = jax.devices()[0].platform
     attention = attention_backend(platform, layout)
     step = jax.jit(
-        functools.partial(step_program, cfg=cfg, attention=attention), donate_argnums=(1, 2)
+        functools.partial(carried_step_program, cfg=cfg, attention=attention),
+        donate_argnums=(1, 2, 3),
     )
     pages = tuple(layout.empty() for _ in range(cfg.num_layers))
     counts = jnp.zeros((batch, cfg.vocab_size), jnp.int32)
+    last = jnp.zeros((batch,), jnp.int32)
+    carry = jnp.arange(batch, dtype=jnp.int32)  # each row feeds the token it sampled last
     chunks = [
         Chunk([1], args.context, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(batch)
     ]
@@ -82,23 +87,28 @@ def run_one(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
     device_batch = jax.device_put(host)
 
-    def call() -> None:
-        nonlocal pages, counts
-        out, pages, counts, _ = step(
-            params, pages, counts, device_batch, rows, flags | True, flags, sampling,
-            jnp.zeros(batch, jnp.int32), eos, inv_freq,
+    def call() -> jax.Array:
+        nonlocal pages, counts, last
+        out, pages, counts, last, _ = step(
+            params, pages, counts, last, device_batch, carry, rows, flags | True, flags,
+            sampling, jnp.zeros(batch, jnp.int32), eos, inv_freq,
         )  # fmt: skip
-        out.token.block_until_ready()
+        return out.token
 
     start = time.perf_counter()
-    call()
+    call().block_until_ready()
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
-        call()
+        call().block_until_ready()
         times.append(time.perf_counter() - start)
     step_s = float(np.median(times))
+    start = time.perf_counter()  # one step in flight, as the core's loop runs them
+    for _ in range(args.steps):
+        token = call()
+    token.block_until_ready()
+    in_flight_s = (time.perf_counter() - start) / args.steps
     weights = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
     if not cfg.tie_word_embeddings:  # an untied embedding: only its gathered rows
         weights -= math.prod(params["embed"].shape) * dtype.itemsize
@@ -114,6 +124,8 @@ def run_one(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
         "compile_s": round(compile_s, 2),
         "step_ms": round(step_s * 1e3, 3),
         "tokens_per_s": round(batch / step_s, 1),
+        "step_ms_in_flight": round(in_flight_s * 1e3, 3),  # dispatched back to back
+        "tokens_per_s_in_flight": round(batch / in_flight_s, 1),
         "bytes_per_step": moved,
         "bandwidth_utilization": round(moved / step_s / args.bandwidth, 4),
     }

@@ -9,8 +9,9 @@ every figure per chip.
 
 Programs, each the engine core's own (engine.core.runner) with abstract params in the
 checkpoint's layout and the engine's shardings:
-- the step (`step_program`: the ragged batch through the model, the head, sampling and
-  the penalty counts' update): `decode` with every sequence busy as long as the pages
+- the step (`carried_step_program`: the ragged batch through the model, the head,
+  sampling and the penalty counts' update, its tokens read from the step before where
+  carried): `decode` with every sequence busy as long as the pages
   allow and with one at max_model_len, a 1,024-token prompt in `--chunk`-token chunks
   (`prefill`, bytes summed over its chunks), and `mixed` (max_num_seqs - 1 decode rows
   beside one chunk);
@@ -65,7 +66,8 @@ from bench.model_shapes import CONFIGS, checkpoint_shapes, model_config
 from engine.attention import AttentionBatch, KVLayout
 from engine.attention.kv_dtype import KV_CACHE_DTYPES, storage_dtype
 from engine.attention.tpu import PallasAttention, kv_pages_per_block, queries_per_block
-from engine.core.runner import Shapes, prompt_logprobs_program, step_program
+from engine.core.core import backend_numerics
+from engine.core.runner import Shapes, carried_step_program, prompt_logprobs_program
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
 from engine.paged_model import StepBatch
 from engine.quant import QUANTIZATIONS, quantized_shapes
@@ -187,7 +189,7 @@ class Harness:
         self.mesh = Mesh(np.array(devices[:tp]), (MODEL_AXIS,))
         self.device_kind = devices[0].device_kind
         self.hbm = HBM_BYTES.get(self.device_kind, 0)
-        self.cfg = model_config(setup.config, setup.layers, tp)
+        self.cfg = backend_numerics(model_config(setup.config, setup.layers, tp), "tpu")
         self.dtype = jnp.dtype(setup.dtype)
         self.whole = NamedSharding(self.mesh, PartitionSpec())
         fold = 128 // self.cfg.head_dim if self.cfg.head_dim < 128 else 1
@@ -327,7 +329,9 @@ class Harness:
             self.params,
             self.pages,
             ints(self.setup.max_num_seqs, vocab),  # penalty counts per device row
+            ints(self.setup.max_num_seqs),  # the step before's sampled tokens
             self._batch(count, tokens),
+            ints(tokens),  # carry: which tokens read them
             ints(count),  # rows
             ints(count, dtype=bool),  # emits
             ints(count, dtype=bool),  # fresh
@@ -336,7 +340,7 @@ class Harness:
             ints(vocab, dtype=bool),  # eos mask
             jax.ShapeDtypeStruct((self.cfg.head_dim // 2,), jnp.float32, sharding=whole),
         )
-        step = functools.partial(step_program, cfg=self.cfg, attention=self.attention)
+        step = functools.partial(carried_step_program, cfg=self.cfg, attention=self.attention)
         greedy = host_arrays(SamplingParams(temperature=0.0, seed=0), vocab)
         sampling = SamplingArrays(*(np.stack([a] * count) for a in greedy))
 
@@ -346,8 +350,8 @@ class Harness:
             *lead, eos, inv_freq = abstract
             return step(*lead, sampling, generated, eos, inv_freq)
 
-        greedy_args = args[:7] + args[9:]
-        measured = self._compile(program, step, args, (1, 2), greedy_step, greedy_args)
+        greedy_args = args[:9] + args[11:]
+        measured = self._compile(program, step, args, (1, 2, 3), greedy_step, greedy_args)
         if measured is not None:
             for part in steps:
                 kernel = self.kernel_bytes(part, tokens)

@@ -127,6 +127,7 @@ class Step(msgspec.Struct, frozen=True, tag=True):
     generated: Array
     recount: tuple[tuple[int, Array], ...]
     following: Array | None
+    carry: Array | None  # tokens read from the step before (engine.core.runner)
 
     def __post_init__(self) -> None:
         for name, got, want in (
@@ -150,6 +151,7 @@ class Step(msgspec.Struct, frozen=True, tag=True):
             generated=Array.of(call.generated),
             recount=tuple((row, Array.of(ids)) for row, ids in call.recount),
             following=None if call.following is None else Array.of(call.following),
+            carry=None if call.carry is None else Array.of(call.carry),
         )
 
     def call(self) -> StepCall:
@@ -164,6 +166,7 @@ class Step(msgspec.Struct, frozen=True, tag=True):
             generated=self.generated.array(),
             recount=tuple((row, ids.array()) for row, ids in self.recount),
             following=None if self.following is None else self.following.array(),
+            carry=None if self.carry is None else self.carry.array(),
         )
 
 

@@ -43,6 +43,7 @@ class ServerConfig:
     prefill_chunk: int = 256  # a multiple of page_size (rounded down to one)
     page_size: int = 16
     prefix_caching: bool = True  # prompts share cached leading pages (vLLM's default)
+    async_scheduling: bool = True  # the core plans step N + 1 while step N runs
     speculative_config: str | None = None  # vLLM's JSON, e.g. {"method": "ngram", ...}
     max_model_len: int | None = None  # None: the checkpoint's (capped by the engine)
     dtype: str = "float32"
@@ -285,6 +286,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "prefill_chunk": (int, "prompt positions one step computes of a prompt (page multiple)"),
     "page_size": (int, "positions per KV page"),
     "prefix_caching": (_switch, "share prompts' cached leading pages (default on)"),
+    "async_scheduling": (_switch, "plan the next step while one runs (default on)"),
     "speculative_config": (
         _speculative,
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '

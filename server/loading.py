@@ -82,6 +82,7 @@ def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> An
         "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
         "memory_utilization": config.gpu_memory_utilization,
         "prefix_caching": config.prefix_caching,
+        "async_scheduling": config.async_scheduling,
         "tensor_parallel_size": config.tensor_parallel_size,
         "speculative_config": config.speculative_config,
     }

@@ -59,6 +59,7 @@ class CoreConfig:
     speculative_config: str | None = None  # vLLM's JSON (engine.core.speculation)
     quantization: str = "none"  # "int8": weights per output channel (engine.quant)
     kv_cache_dtype: str = "auto"  # pages' dtype (engine.attention.kv_dtype)
+    async_scheduling: bool = True  # the loop plans step N + 1 while step N runs
 
     def __post_init__(self) -> None:
         if self.dtype not in NP_DTYPES:
@@ -120,6 +121,7 @@ class EngineCore:
             else default_mesh(config.tensor_parallel_size)
         )
         platform = self.mesh.devices.flat[0].platform
+        cfg = self.model_config = backend_numerics(cfg, platform)
         fold = 128 // cfg.head_dim if platform == "tpu" and cfg.head_dim < 128 else 1
         kv_dtype = storage_dtype(config.kv_cache_dtype, config.dtype)
         bits = platform == "cpu"  # KVLayout.bits: XLA:CPU's 16/8-bit float scatters
@@ -137,6 +139,7 @@ class EngineCore:
             if agree_pages is not None:
                 raise ValueError("a draft model is not supported with multi-host serving yet")
             draft_cfg = draft_config(spec.model, cfg, config.tensor_parallel_size)
+            draft_cfg = backend_numerics(draft_cfg, platform)
             draft_params = self._params(spec.model, draft_cfg, platform)
             self.weight_bytes += param_bytes(draft_params)
         layers = cfg.num_layers  # a page holds every layer's K/V, the draft's layers' too
@@ -252,11 +255,13 @@ class EngineCore:
         pending = self.launch()
         return [] if pending is None else self.finish(pending)
 
-    def launch(self) -> Pending | None:
+    def launch(self, ahead: bool = False) -> Pending | None:
         """Plan the next step and dispatch it; returns at once, the devices still running
-        (None: nothing to run). Every `launch` is followed by its `finish` before the next:
-        the plan's sequences are the scheduler's until then."""
-        plan = self.scheduler.schedule()
+        (None: nothing to run). Steps are finished in the order they were launched.
+        `ahead`: one step is in flight; plan the next from what it will leave, its
+        sampled tokens fed on the device (None also when that cannot be planned yet:
+        finish the one in flight first)."""
+        plan = self.scheduler.schedule(ahead)
         if plan is None:
             return None
         launched = self.runner.execute(self.runner.prepare(plan))
@@ -268,6 +273,18 @@ class EngineCore:
         """Wait for a launched step and take its tokens."""
         result = self.runner.collect(pending.plan, pending.launched)
         return self.scheduler.update(pending.plan, result)
+
+
+def backend_numerics(cfg: ModelConfig, platform: str) -> ModelConfig:
+    """How the model computes on a backend (the reference forms elsewhere). TPU: XLA's
+    own row reduce (its order follows the reduced axis, not the rows), where each level
+    of engine.rowwise's tree is a pass over memory; and RoPE's rotation as a product,
+    where half-width slices are padded copies (an 8B prompt's prefill at TP 4: 1.83x the
+    unavoidable bytes with both reference forms, 1.49x without them; bench/README).
+    XLA:CPU keeps the tree (its reduce gives a row other bits among 16+ rows)."""
+    if platform != "tpu":
+        return cfg
+    return replace(cfg, fixed_order_sums=False, rope_by_product=True)
 
 
 @dataclass(frozen=True)

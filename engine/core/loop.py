@@ -6,10 +6,13 @@ of structured outputs (constraints arrive as specs and are compiled here, where 
 masks are needed). Receives `AddRequest`, `Abort` and `Stop` (engine.core.messages) from
 `receive`; emits one `Outputs` per step that sampled anything through `send`.
 
-Each iteration takes every message waiting (blocking only when nothing runs), then runs
-one step. A request the core cannot take (its grammar fails to compile, its prompt does
-not fit) comes back in `Outputs.rejected`; a failure of the loop itself propagates (the
-process reports it and exits non-zero).
+Each iteration takes every message waiting (blocking only when nothing runs), dispatches
+the next step, then waits for the one dispatched before it and sends its tokens: one step
+is in flight while the host plans and sends (`CoreConfig.async_scheduling`; a step that
+needs what the one in flight decides is planned after it instead). A request the core
+cannot take (its grammar fails to compile, its prompt does not fit) comes back in
+`Outputs.rejected`; a failure of the loop itself propagates (the process reports it and
+exits non-zero).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from engine.core.core import EngineCore
+from engine.core.core import EngineCore, Pending
 from engine.core.messages import (
     Abort,
     AddRequest,
@@ -53,6 +56,7 @@ def parse_seq_id(seq: str) -> tuple[str, int]:
 @dataclass
 class LoopCounters:
     steps: int = 0
+    ahead: int = 0  # steps dispatched while the one before them was still running
 
 
 class CoreLoop:
@@ -74,14 +78,27 @@ class CoreLoop:
         self._stopping = False
 
     def run(self) -> None:
-        while not self._stopping:
+        core = self._core
+        ahead = core.config.async_scheduling
+        pending: Pending | None = None  # the step on the devices
+        while not self._stopping or pending is not None:
             rejected = []
-            messages = self._receive(not self._core.scheduler.busy)
+            idle = pending is None and not core.scheduler.busy
+            messages = [] if self._stopping else self._receive(idle)
             for message in messages:
                 why = self._handle(message)
                 if why is not None:
                     rejected.append(why)
-            events = self._core.step() if not self._stopping else []
+            # One step in flight: the next is planned and dispatched before the one on the
+            # devices is waited for, unless it needs what that one decides.
+            following = None
+            if not self._stopping and (pending is None or ahead):
+                following = core.launch(ahead=pending is not None)
+                self.counters.ahead += int(following is not None and pending is not None)
+            events = [] if pending is None else core.finish(pending)
+            if following is None and pending is not None and not self._stopping:
+                following = core.launch()
+            pending = following
             if events:
                 self.counters.steps += 1
                 if self._fail_after is not None and self.counters.steps > self._fail_after:

@@ -13,6 +13,7 @@ run, at which positions, in which pages; the runner pads them to a bucket and ru
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class RowWork:
     prompt_top: int = 0  # ...and how many alternatives each
     drafts: tuple[int, ...] = ()  # speculation: tokens to verify after its one decode token
     draft_allowed: tuple[np.ndarray, ...] = ()  # ...with a grammar: each draft row's mask
+    carry: int = -1  # scheduled ahead: its one token is row `carry` of the step before's
 
     @property
     def sample_rows(self) -> int:
@@ -210,6 +212,37 @@ def step_program(
     return out, pages, counts, x
 
 
+def carried_step_program(
+    params: Params,
+    pages: tuple[jax.Array, ...],
+    counts: jax.Array,
+    last: jax.Array,
+    batch: StepBatch,
+    carry: jax.Array,
+    rows: jax.Array,
+    emits: jax.Array,
+    fresh: jax.Array,
+    sampling: SamplingArrays,
+    generated: jax.Array,
+    eos_mask: jax.Array,
+    inv_freq: jax.Array,
+    *,
+    cfg: ModelConfig,
+    attention: Attention,
+) -> tuple[Sampled, tuple[jax.Array, ...], jax.Array, jax.Array, jax.Array]:
+    """`step_program` whose tokens may come from the step before it on the device: token
+    t is `last[carry[t]]` where carry[t] >= 0 (a row scheduled before the step that
+    samples its input finished). Returns the step's sampled tokens as the next `last`
+    (max_num_seqs entries, padded with zeros)."""
+    tokens = jnp.where(carry >= 0, last[jnp.maximum(carry, 0)], batch.tokens)
+    out, pages, counts, x = step_program(
+        params, pages, counts, dataclasses.replace(batch, tokens=tokens), rows, emits, fresh,
+        sampling, generated, eos_mask, inv_freq, cfg=cfg, attention=attention,
+    )  # fmt: skip
+    last = lax.dynamic_update_slice(jnp.zeros_like(last), out.token.astype(last.dtype), (0,))
+    return out, pages, counts, last, x
+
+
 def fill_program(
     params: Params,
     pages: tuple[jax.Array, ...],
@@ -229,7 +262,7 @@ def prompt_logprobs_program(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each token's logprob of the token after it (`following`; padding any id) and the
     MAX_LOGPROBS best, from the step's hidden states."""
-    logprobs = rowwise.log_softmax(head_logits(params, x, cfg))
+    logprobs = rowwise.log_softmax(head_logits(params, x, cfg), cfg.fixed_order_sums)
     index = jnp.clip(following, 0, logprobs.shape[-1] - 1)
     chosen = jnp.take_along_axis(logprobs, index[:, None], axis=-1)[:, 0]
     values, ids = top_logprobs(logprobs)
@@ -264,6 +297,7 @@ class StepCall:
     generated: np.ndarray  # (S,) int32
     recount: tuple[tuple[int, np.ndarray], ...] = ()  # rows whose counts are rebuilt first
     following: np.ndarray | None = None  # (T,) int32: prompt logprobs' next tokens
+    carry: np.ndarray | None = None  # (T,) int32: tokens from the step before (None: none)
 
     @property
     def tokens(self) -> int:
@@ -307,12 +341,14 @@ class Runner:
         empty = jax.jit(layout.empty, out_shardings=pages_sharding(mesh))
         self.pages = tuple(empty() for _ in range(cfg.num_layers))
         self.counts = jax.device_put(np.zeros((max_num_seqs, cfg.vocab_size), np.int32), whole)
+        self.last = jax.device_put(np.zeros((max_num_seqs,), np.int32), whole)  # sampled
         eos = np.zeros((cfg.vocab_size,), bool)
         eos[[i for i in eos_token_ids if 0 <= i < cfg.vocab_size]] = True
         self.eos_mask = jax.device_put(eos, whole)
         self.inv_freq = jax.device_put(cfg.rope_inv_freq(), whole)
         self._step = jax.jit(
-            functools.partial(step_program, cfg=cfg, attention=attention), donate_argnums=(1, 2)
+            functools.partial(carried_step_program, cfg=cfg, attention=attention),
+            donate_argnums=(1, 2, 3),
         )
         self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
         self._recount = jax.jit(_recount, donate_argnums=(0,))
@@ -411,9 +447,15 @@ class Runner:
                 per_row += [per_row[-1]] * (n - 1)
             at += n
         per_row += [self._idle] * (seqs - real)
+        carry = None
+        if any(r.carry >= 0 for r in plan.rows):
+            carry = np.full(tokens, -1, np.int32)
+            starts, _ = plan.offsets()
+            for start, r in zip(starts, plan.rows, strict=True):
+                carry[start] = r.carry
         stacked = [np.stack(field) for field in zip(*per_row, strict=True)]
         sampling = SamplingArrays(*cast(list[jax.Array], stacked))  # host arrays, as jit takes
-        return StepCall(batch, rows, emits, fresh, sampling, generated, recount, following)
+        return StepCall(batch, rows, emits, fresh, sampling, generated, recount, following, carry)
 
     def execute(self, call: StepCall) -> Launched:
         """Dispatch the call's programs; returns at once with the outputs on the device."""
@@ -421,11 +463,16 @@ class Runner:
             self.mirror(call)
         for row, ids in call.recount:
             self.counts = self._recount(self.counts, np.int32(row), ids)
-        sampled, self.pages, self.counts, hidden = self._step(
+        carry = call.carry
+        if carry is None:
+            carry = np.full(call.tokens, -1, np.int32)
+        sampled, self.pages, self.counts, self.last, hidden = self._step(
             self.params,
             self.pages,
             self.counts,
+            self.last,
             call.batch,
+            carry,
             call.rows,
             call.emits,
             call.fresh,
@@ -483,5 +530,6 @@ __all__ = [
     "StepCall",
     "StepResult",
     "prompt_logprobs_program",
+    "carried_step_program",
     "step_program",
 ]

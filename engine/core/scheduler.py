@@ -17,6 +17,12 @@ rows are never stalled for more than one chunk's worth of tokens. Out of pages, 
 sequence admitted last is preempted: its pages and row are released and it waits at
 the front of the queue, to be computed again from its prompt and the tokens it has
 (vLLM's recompute policy): a client never sees it, and its seeded tokens do not change.
+
+With one step in flight (`schedule(ahead=True)`), the next step is planned from what the
+one in flight will leave: each sequence's `ahead` positions and `owed` token count until
+`update` takes that step, and a row that feeds an owed token names its row of the step
+in flight (`RowWork.carry`), read on the device. Steps are updated in the order planned;
+a row of a sequence that ended in between (a stop token, an abort) is dropped.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     computed: int = 0  # positions whose K/V the pages hold
+    ahead: int = 0  # positions of it in the step in flight (scheduled ahead, not yet taken)
+    owed: int = 0  # tokens that step samples for it (0 or 1)
     row: int | None = None  # device row while running
     preempted: int = 0  # times it was preempted
     cached_tokens: int = 0  # prompt positions its first admission took from the prefix cache
@@ -89,7 +97,17 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs still to collect: only on its first pass over the prompt."""
-        return self.prompt_logprobs is not None and not self.output
+        return self.prompt_logprobs is not None and not self.output and not self.owed
+
+    @property
+    def next_position(self) -> int:
+        """Its first position no step has computed or is computing."""
+        return self.computed + self.ahead
+
+    @property
+    def length(self) -> int:
+        """Its tokens, counting the one the step in flight samples for it."""
+        return len(self._tokens) + self.owed
 
 
 @dataclass(frozen=True)
@@ -154,7 +172,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
-        self._plan: list[Sequence] = []
+        # the steps dispatched and not yet updated, oldest first (at most 2: the one the
+        # loop waits for, and the one it scheduled ahead)
+        self._inflight: deque[tuple[StepPlan, list[Sequence]]] = deque()
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's)
         self.prefix_hits = 0  # of those, found
         self.preemptions = 0
@@ -191,8 +211,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------------
-    def schedule(self) -> StepPlan | None:
+    def schedule(self, ahead: bool = False) -> StepPlan | None:
         """The next step's plan (None: nothing to run).
+
+        `ahead`: the step in flight has not been updated yet; plan the next one from what
+        it will leave (its sequences' next positions, a sampled token in place of each
+        one it owes, that token read on the device: `RowWork.carry`). None whenever that
+        plan would need what the step in flight decides: preemption, a grammar's mask
+        after its token, speculation, or a sequence whose token there may be its last.
 
         Running sequences keep their place by preempting the latest admitted ones not yet
         planned this step; a running prompt that still cannot get pages holds back new
@@ -200,26 +226,42 @@ class Scheduler:
         or waits, the step has work: the oldest running sequence can always preempt every
         later one, and one max_model_len sequence fits the pool (checked at start).
         """
+        carries: dict[int, int] = {}
+        if ahead:
+            if self.speculator is not None or len(self._inflight) != 1:
+                return None
+            plan, seqs = self._inflight[0]
+            carries = {id(q): at for q, at in zip(seqs, plan.offsets()[1], strict=True)}
+        preempt: list[Sequence] | None
         budget = self.config.max_num_batched_tokens
         chunks = self.config.max_prefill_seqs
         work: list[RowWork] = []
         planned: list[Sequence] = []
+        preempt = None if ahead else planned
         blocked = False
         for seq in list(self.running):  # decode rows first, in admission order
-            if seq not in self.running or seq.computed != len(seq.tokens) - 1:
+            if seq not in self.running or seq.next_position != seq.length - 1:
                 continue
-            if not self._reserve(seq, seq.computed + 1, planned):
+            if seq.owed and (seq.matcher is not None or self._last_owed(seq)):
+                if seq.matcher is not None:
+                    return None
+                continue  # the token in flight is its last
+            if not self._reserve(seq, seq.next_position + 1, preempt):
+                if ahead:
+                    return None
                 continue  # preempted itself
-            work.append(self._work(seq, 1))
+            work.append(self._work(seq, 1, carry=carries[id(seq)] if seq.owed else -1))
             planned.append(seq)
             budget -= 1
-        for seq in [s for s in self.running if s.computed < len(s.tokens) - 1]:
+        for seq in [s for s in self.running if s.next_position < s.length - 1]:
             if seq not in self.running:
                 continue  # preempted by an older prompt of this step
             n = self._chunk(seq)
             if chunks == 0 or n > budget:
                 break
-            if not self._reserve(seq, seq.computed + n, planned):
+            if not self._reserve(seq, seq.next_position + n, preempt):
+                if ahead:
+                    return None
                 blocked = True
                 break
             work.append(self._work(seq, n))
@@ -244,15 +286,27 @@ class Scheduler:
             chunks -= 1
         if self.speculator is not None:
             work = self._speculate(work, planned, budget)
-        self._plan = planned
-        if not work and self.busy:
-            raise RuntimeError("the scheduler planned nothing while sequences wait")
-        return StepPlan(tuple(work)) if work else None
+        if not work:
+            if self.busy and not ahead:
+                raise RuntimeError("the scheduler planned nothing while sequences wait")
+            return None
+        plan = StepPlan(tuple(work))
+        for seq, row in zip(planned, work, strict=True):
+            seq.ahead += len(row.chunk.tokens)
+            seq.owed += int(row.emits)
+        self._inflight.append((plan, planned))
+        return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
         """Take a step's sampled tokens: advance each sequence, finish those that end."""
         events: list[Emitted] = []
-        for i, (seq, work) in enumerate(zip(self._plan, plan.rows, strict=True)):
+        oldest, seqs = self._inflight.popleft()
+        assert oldest is plan, "steps are updated in the order they were scheduled"
+        for i, (seq, work) in enumerate(zip(seqs, plan.rows, strict=True)):
+            if seq not in self.running:
+                continue  # it ended (a stop token or an abort) after this step was planned
+            seq.ahead -= len(work.chunk.tokens)
+            seq.owed -= int(work.emits)
             if work.drafts:
                 events += self._verify(seq, work, result, result.sample_rows[i])
                 continue
@@ -265,7 +319,6 @@ class Scheduler:
                 events.append(event)
                 if event.finish_reason is not None:
                     self._finish(seq)
-        self._plan = []
         return events
 
     def _take(self, seq: Sequence, result: StepResult, at: int) -> Emitted:
@@ -376,6 +429,12 @@ class Scheduler:
             del seq.pages[keep:]
 
     # -- helpers ------------------------------------------------------------------------
+    def _last_owed(self, seq: Sequence) -> bool:
+        """The token the step in flight samples for seq ends it by length."""
+        return (
+            len(seq.output) + seq.owed >= seq.max_tokens or seq.length >= self.config.max_model_len
+        )
+
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.stop_token_ids and len(seq.output) > seq.sampling.min_tokens:
             return "stop"
@@ -409,29 +468,33 @@ class Scheduler:
         """Positions of its prompt (or recomputed tokens) the next chunk covers: up to the
         next multiple of chunk_size, not past the last token it has."""
         size = self.config.chunk_size
-        boundary = (seq.computed // size + 1) * size
-        return min(boundary, len(seq.tokens)) - seq.computed
+        boundary = (seq.next_position // size + 1) * size
+        return min(boundary, seq.length) - seq.next_position
 
-    def _work(self, seq: Sequence, n: int, fresh: bool = False) -> RowWork:
-        start = seq.computed
+    def _work(self, seq: Sequence, n: int, fresh: bool = False, carry: int = -1) -> RowWork:
+        """`carry`: seq owes a token (its row of the step in flight): the one to feed."""
+        start = seq.next_position
         assert seq.row is not None
         tokens = seq.tokens
+        assert (carry >= 0) == bool(seq.owed), "a row feeds the token it owes, none other"
         prompt_next: tuple[int, ...] = ()
         if seq.wants_prompt_logprobs:  # each position's next prompt token (-1: none)
             prompt_next = tuple(
                 tokens[p + 1] if p + 1 < len(seq.prompt) else -1 for p in range(start, start + n)
             )
+        fed = (0,) if seq.owed else tokens[start : start + n]  # 0: read on the device
         return RowWork(
-            chunk=Chunk(tokens[start : start + n], start, tuple(seq.pages)),
+            chunk=Chunk(fed, start, tuple(seq.pages)),
             row=seq.row,
             sampling=seq.sampling,
-            generated=len(seq.output),
-            emits=start + n == len(tokens),
+            generated=len(seq.output) + seq.owed,
+            emits=start + n == seq.length,
             fresh=fresh and not seq.output,
             prior=tuple(seq.output) if fresh else (),
             allowed=seq.mask,
             prompt_next=prompt_next,
             prompt_top=seq.prompt_logprobs or 0,
+            carry=carry,
         )
 
     def _reserve(self, seq: Sequence, positions: int, planned: list[Sequence] | None) -> bool:

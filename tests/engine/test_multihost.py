@@ -74,10 +74,18 @@ def call(core: EngineCore) -> StepCall:
                 generated=4,
                 prior=(9, 8, 7, 6),
             ),
+            RowWork(  # scheduled ahead: its token is row 1 of the step before
+                Chunk((0,), 30, (5, 6, 7, 8)),
+                row=2,
+                sampling=SamplingParams(temperature=0.0, seed=0),
+                generated=7,
+                carry=1,
+            ),
         )
     )
     prepared = core.runner.prepare(plan)
     assert prepared.following is not None and prepared.recount  # every kind of field is set
+    assert prepared.carry is not None
     return prepared
 
 
