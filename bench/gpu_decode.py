@@ -35,7 +35,7 @@ import numpy as np
 
 from bench.model_shapes import checkpoint_shapes, model_config
 from engine.attention import KVLayout, attention_backend
-from engine.core.runner import carried_step_program
+from engine.core.runner import step_program
 from engine.paged_model import Chunk, make_batch
 from engine.sampling import SamplingArrays, host_arrays
 from engine.types import SamplingParams
@@ -65,7 +65,7 @@ def run_one(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     platform = jax.devices()[0].platform
     attention = attention_backend(platform, layout)
     step = jax.jit(
-        functools.partial(carried_step_program, cfg=cfg, attention=attention),
+        functools.partial(step_program, cfg=cfg, attention=attention),
         donate_argnums=(1, 2, 3),
     )
     pages = tuple(layout.empty() for _ in range(cfg.num_layers))

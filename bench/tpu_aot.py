@@ -9,7 +9,7 @@ every figure per chip.
 
 Programs, each the engine core's own (engine.core.runner) with abstract params in the
 checkpoint's layout and the engine's shardings:
-- the step (`carried_step_program`: the ragged batch through the model, the head,
+- the step (`step_program`: the ragged batch through the model, the head,
   sampling and the penalty counts' update, its tokens read from the step before where
   carried): `decode` with every sequence busy as long as the pages
   allow and with one at max_model_len, a 1,024-token prompt in `--chunk`-token chunks
@@ -67,7 +67,7 @@ from engine.attention import AttentionBatch, KVLayout
 from engine.attention.kv_dtype import KV_CACHE_DTYPES, storage_dtype
 from engine.attention.tpu import PallasAttention, kv_pages_per_block, queries_per_block
 from engine.core.core import backend_numerics
-from engine.core.runner import Shapes, carried_step_program, prompt_logprobs_program
+from engine.core.runner import Shapes, prompt_logprobs_program, step_program
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
 from engine.paged_model import StepBatch
 from engine.quant import QUANTIZATIONS, quantized_shapes
@@ -340,7 +340,7 @@ class Harness:
             ints(vocab, dtype=bool),  # eos mask
             jax.ShapeDtypeStruct((self.cfg.head_dim // 2,), jnp.float32, sharding=whole),
         )
-        step = functools.partial(carried_step_program, cfg=self.cfg, attention=self.attention)
+        step = functools.partial(step_program, cfg=self.cfg, attention=self.attention)
         greedy = host_arrays(SamplingParams(temperature=0.0, seed=0), vocab)
         sampling = SamplingArrays(*(np.stack([a] * count) for a in greedy))
 

@@ -182,40 +182,6 @@ def step_program(
     params: Params,
     pages: tuple[jax.Array, ...],
     counts: jax.Array,
-    batch: StepBatch,
-    rows: jax.Array,
-    emits: jax.Array,
-    fresh: jax.Array,
-    sampling: SamplingArrays,
-    generated: jax.Array,
-    eos_mask: jax.Array,
-    inv_freq: jax.Array,
-    *,
-    cfg: ModelConfig,
-    attention: Attention,
-) -> tuple[Sampled, tuple[jax.Array, ...], jax.Array, jax.Array]:
-    """forward + sample; each emitting row's counts gain its sampled token (padding rows
-    point past the table and change nothing). A fresh row's counts are zeroed first.
-    Also returns every token's final hidden state, for prompt logprobs."""
-    x, pages = forward(params, pages, batch, inv_freq, cfg, attention)
-    logits = head_logits(params, x[batch.last], cfg)
-    counts = lax.cond(
-        jnp.any(fresh),
-        lambda c: c.at[jnp.where(fresh, rows, c.shape[0])].set(0, mode="drop"),
-        lambda c: c,
-        counts,
-    )
-    # Only rows with penalties read their counts (a gather of every row's is a pass over
-    # (rows x vocab) that greedy steps would pay for nothing).
-    out = sample(logits, sampling, generated, counts, generated, eos_mask, count_rows=rows)
-    counts = counts.at[rows, out.token].add(emits.astype(jnp.int32), mode="drop")
-    return out, pages, counts, x
-
-
-def carried_step_program(
-    params: Params,
-    pages: tuple[jax.Array, ...],
-    counts: jax.Array,
     last: jax.Array,
     batch: StepBatch,
     carry: jax.Array,
@@ -230,15 +196,27 @@ def carried_step_program(
     cfg: ModelConfig,
     attention: Attention,
 ) -> tuple[Sampled, tuple[jax.Array, ...], jax.Array, jax.Array, jax.Array]:
-    """`step_program` whose tokens may come from the step before it on the device: token
-    t is `last[carry[t]]` where carry[t] >= 0 (a row scheduled before the step that
-    samples its input finished). Returns the step's sampled tokens as the next `last`
-    (max_num_seqs entries, padded with zeros)."""
+    """forward + sample; each emitting row's counts gain its sampled token (padding rows
+    point past the table and change nothing). A fresh row's counts are zeroed first.
+
+    Token t is `last[carry[t]]` where carry[t] >= 0: the step before's sampled tokens,
+    read on the device (a row planned before that step finished). Returns this step's
+    sampled tokens as the next `last` (max_num_seqs entries, zero-padded), and every
+    token's final hidden state, for prompt logprobs."""
     tokens = jnp.where(carry >= 0, last[jnp.maximum(carry, 0)], batch.tokens)
-    out, pages, counts, x = step_program(
-        params, pages, counts, dataclasses.replace(batch, tokens=tokens), rows, emits, fresh,
-        sampling, generated, eos_mask, inv_freq, cfg=cfg, attention=attention,
-    )  # fmt: skip
+    batch = dataclasses.replace(batch, tokens=tokens)
+    x, pages = forward(params, pages, batch, inv_freq, cfg, attention)
+    logits = head_logits(params, x[batch.last], cfg)
+    counts = lax.cond(
+        jnp.any(fresh),
+        lambda c: c.at[jnp.where(fresh, rows, c.shape[0])].set(0, mode="drop"),
+        lambda c: c,
+        counts,
+    )
+    # Only rows with penalties read their counts (a gather of every row's is a pass over
+    # (rows x vocab) that greedy steps would pay for nothing).
+    out = sample(logits, sampling, generated, counts, generated, eos_mask, count_rows=rows)
+    counts = counts.at[rows, out.token].add(emits.astype(jnp.int32), mode="drop")
     last = lax.dynamic_update_slice(jnp.zeros_like(last), out.token.astype(last.dtype), (0,))
     return out, pages, counts, last, x
 
@@ -347,7 +325,7 @@ class Runner:
         self.eos_mask = jax.device_put(eos, whole)
         self.inv_freq = jax.device_put(cfg.rope_inv_freq(), whole)
         self._step = jax.jit(
-            functools.partial(carried_step_program, cfg=cfg, attention=attention),
+            functools.partial(step_program, cfg=cfg, attention=attention),
             donate_argnums=(1, 2, 3),
         )
         self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
@@ -530,6 +508,5 @@ __all__ = [
     "StepCall",
     "StepResult",
     "prompt_logprobs_program",
-    "carried_step_program",
     "step_program",
 ]
