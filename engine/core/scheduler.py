@@ -232,19 +232,18 @@ class Scheduler:
                 return None
             plan, seqs = self._inflight[0]
             carries = {id(q): at for q, at in zip(seqs, plan.offsets()[1], strict=True)}
-        preempt: list[Sequence] | None
         budget = self.config.max_num_batched_tokens
         chunks = self.config.max_prefill_seqs
         work: list[RowWork] = []
         planned: list[Sequence] = []
-        preempt = None if ahead else planned
+        preempt: list[Sequence] | None = None if ahead else planned
         blocked = False
         for seq in list(self.running):  # decode rows first, in admission order
             if seq not in self.running or seq.next_position != seq.length - 1:
                 continue
-            if seq.owed and (seq.matcher is not None or self._last_owed(seq)):
-                if seq.matcher is not None:
-                    return None
+            if seq.owed and seq.matcher is not None:
+                return None  # its mask follows the token in flight
+            if seq.owed and self._last_owed(seq):
                 continue  # the token in flight is its last
             if not self._reserve(seq, seq.next_position + 1, preempt):
                 if ahead:
@@ -303,8 +302,8 @@ class Scheduler:
         oldest, seqs = self._inflight.popleft()
         assert oldest is plan, "steps are updated in the order they were scheduled"
         for i, (seq, work) in enumerate(zip(seqs, plan.rows, strict=True)):
-            if seq not in self.running:
-                continue  # it ended (a stop token or an abort) after this step was planned
+            if seq.row is None:
+                continue  # released (a stop token, an abort) after this step was planned
             seq.ahead -= len(work.chunk.tokens)
             seq.owed -= int(work.emits)
             if work.drafts:
