@@ -98,6 +98,8 @@ class EngineClient:
         num_processes: int = 1,
         coordinator_address: str | None = None,
         distributed_timeout: float = 300.0,
+        prefill_devices: str | None = None,
+        generate_devices: str | None = None,
     ) -> None:
         self._text_streams = text_streams
         self._eos = frozenset(eos_token_ids)
@@ -114,6 +116,8 @@ class EngineClient:
             num_processes=num_processes,  # multi-host: the core leads (engine.multihost)
             coordinator_address=coordinator_address,
             distributed_timeout=distributed_timeout,
+            prefill_devices=prefill_devices,  # disaggregated (engine.core.disaggregated)
+            generate_devices=generate_devices,
         )
         self._context = zmq.Context()
         self._requests = self._context.socket(zmq.PUSH)

@@ -184,6 +184,8 @@ class ServerConfig:
             )
         if self.num_processes > 1 and self.prefill_devices is not None:
             raise ValueError("a multi-host server is not disaggregated (prefill_devices)")
+        if self.speculative_config is not None and self.prefill_devices is not None:
+            raise ValueError("speculative_config does not combine with prefill_devices yet")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
 

@@ -60,12 +60,11 @@ def enable_compile_cache(config: ServerConfig) -> Path | None:
 def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> Any:
     """The engine core over paged KV in its own process, warmed up, behind an EngineClient:
     one tensor-parallel mesh, on one host or (multi-host) over every process's devices,
-    the core process leading the others (engine.multihost)."""
+    the core process leading the others (engine.multihost); or a prefill and a decode
+    device set (engine.core.disaggregated)."""
     from engine.client import EngineClient
     from engine.faults import FaultPlan
 
-    if config.prefill_devices is not None:
-        raise ValueError("disaggregated serving (prefill_devices) is not supported yet")
     folder = enable_compile_cache(config)
     logger.info("compile cache: %s", folder or "off")
     fault = None if config.fault_injection is None else FaultPlan.parse(config.fault_injection)
@@ -97,6 +96,8 @@ def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> An
         num_processes=config.num_processes,
         coordinator_address=config.coordinator_address,
         distributed_timeout=config.distributed_timeout,
+        prefill_devices=config.prefill_devices,
+        generate_devices=config.generate_devices,
     )
     client.start()
     return client

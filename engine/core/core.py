@@ -23,10 +23,11 @@ from engine.checkpoint import NP_DTYPES
 from engine.config import ModelConfig, load_model_config, tensor_parallel
 from engine.core.draft import DraftProposer, build_draft, draft_config
 from engine.core.memory import KVBudget, pages_for_budget
+from engine.core.messages import Stats
 from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Launched, Runner, StepPlan
 from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
-from engine.core.speculation import SpeculativeConfig
+from engine.core.speculation import SpecCounters, SpeculativeConfig
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
 from engine.model import Params
 from engine.paged_model import hidden_major_head
@@ -60,6 +61,7 @@ class CoreConfig:
     quantization: str = "none"  # "int8": weights per output channel (engine.quant)
     kv_cache_dtype: str = "auto"  # pages' dtype (engine.attention.kv_dtype)
     async_scheduling: bool = True  # the loop plans step N + 1 while step N runs
+    prefill_only: bool = False  # a disaggregated core's prefill set (engine.core.disaggregated)
 
     def __post_init__(self) -> None:
         if self.dtype not in NP_DTYPES:
@@ -182,6 +184,7 @@ class EngineCore:
                 max_prefill_seqs=config.max_prefill_seqs,
                 vocab_size=cfg.vocab_size,
                 speculative=spec,
+                prefill_only=config.prefill_only,
             ),
             pool,
             self.draft,
@@ -249,6 +252,35 @@ class EngineCore:
 
     def page_stats(self) -> PageStats:
         return self.scheduler.pool.stats()
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.busy
+
+    @property
+    def num_pages(self) -> int:
+        return self.scheduler.pool.num_pages
+
+    def stats(self, steps: int) -> Stats:
+        """The gauges and counters sent with each step's outputs."""
+        scheduler = self.scheduler
+        pages = scheduler.pool.stats()
+        spec = SpecCounters() if scheduler.speculator is None else scheduler.speculator.counters
+        return Stats(
+            waiting=len(scheduler.waiting),
+            running=len(scheduler.running),
+            pages_total=pages.total,
+            pages_free=pages.free,
+            pages_cached=pages.cached,
+            steps=steps,
+            prefix_queries=scheduler.prefix_queries,
+            prefix_hits=scheduler.prefix_hits,
+            preemptions=scheduler.preemptions,
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
+        )
 
     def step(self) -> list[Emitted]:
         """One scheduled step run on the devices; [] when there is nothing to run."""

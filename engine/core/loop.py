@@ -20,8 +20,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Generic, Protocol, TypeVar
 
-from engine.core.core import EngineCore, Pending
+from engine.config import ModelConfig
+from engine.core.core import CoreConfig
 from engine.core.messages import (
     Abort,
     AddRequest,
@@ -33,7 +35,6 @@ from engine.core.messages import (
     TokenOut,
 )
 from engine.core.scheduler import Emitted, Sequence
-from engine.core.speculation import SpecCounters
 from engine.faults import InjectedFault
 from engine.types import TokenConstraint, TokenLogprobs
 
@@ -59,10 +60,29 @@ class LoopCounters:
     ahead: int = 0  # steps dispatched while the one before them was still running
 
 
-class CoreLoop:
+P = TypeVar("P")
+
+
+class Core(Protocol[P]):
+    """What the loop drives: an EngineCore, or a disaggregated pair of them."""
+
+    @property
+    def config(self) -> CoreConfig: ...
+    @property
+    def model_config(self) -> ModelConfig: ...
+    @property
+    def busy(self) -> bool: ...
+    def launch(self, ahead: bool = False) -> P | None: ...
+    def finish(self, pending: P) -> list[Emitted]: ...
+    def add(self, seq: Sequence) -> None: ...
+    def abort(self, seq_id: str) -> bool: ...
+    def stats(self, steps: int) -> Stats: ...
+
+
+class CoreLoop(Generic[P]):
     def __init__(
         self,
-        core: EngineCore,
+        core: Core[P],
         receive: Receive,
         send: Send,
         compile_grammar: CompileGrammar | None = None,
@@ -80,10 +100,10 @@ class CoreLoop:
     def run(self) -> None:
         core = self._core
         ahead = core.config.async_scheduling
-        pending: Pending | None = None  # the step on the devices
+        pending: P | None = None  # the step on the devices
         while not self._stopping or pending is not None:
             rejected = []
-            idle = pending is None and not core.scheduler.busy
+            idle = pending is None and not core.busy
             messages = [] if self._stopping else self._receive(idle)
             for message in messages:
                 why = self._handle(message)
@@ -108,24 +128,7 @@ class CoreLoop:
                 self._send(Outputs(tokens, self.stats(), tuple(rejected)))
 
     def stats(self) -> Stats:
-        scheduler = self._core.scheduler
-        pages = scheduler.pool.stats()
-        spec = SpecCounters() if scheduler.speculator is None else scheduler.speculator.counters
-        return Stats(
-            waiting=len(scheduler.waiting),
-            running=len(scheduler.running),
-            pages_total=pages.total,
-            pages_free=pages.free,
-            pages_cached=pages.cached,
-            steps=self.counters.steps,
-            prefix_queries=scheduler.prefix_queries,
-            prefix_hits=scheduler.prefix_hits,
-            preemptions=scheduler.preemptions,
-            spec_drafts=spec.drafts,
-            spec_draft_tokens=spec.draft_tokens,
-            spec_accepted_tokens=spec.accepted_tokens,
-            spec_accepted_per_position=tuple(spec.accepted_per_position),
-        )
+        return self._core.stats(self.counters.steps)
 
     def _handle(self, message: ToCore) -> tuple[str, str] | None:
         if isinstance(message, Stop):

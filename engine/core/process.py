@@ -51,6 +51,9 @@ class ProcessConfig:
     num_processes: int = 1
     coordinator_address: str | None = None
     distributed_timeout: float = 300.0  # seconds for every process to join
+    # disaggregated (engine.core.disaggregated): the two device sets, as engine.mesh reads them
+    prefill_devices: str | None = None
+    generate_devices: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -162,9 +165,11 @@ def run(config: ProcessConfig) -> int:
             jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         from engine.core.core import EngineCore
+        from engine.core.disaggregated import DisaggregatedCore
         from engine.core.loop import CoreLoop
 
         leader = None
+        core: EngineCore | DisaggregatedCore
         if config.num_processes > 1:  # this core leads the others' (engine.multihost)
             from engine.multihost import Leader
 
@@ -173,13 +178,16 @@ def run(config: ProcessConfig) -> int:
                 config.coordinator_address, config.num_processes, config.distributed_timeout
             )
             core = leader.build(_core_config(config.core))
+        elif config.prefill_devices is not None and config.generate_devices is not None:
+            core = DisaggregatedCore.build(
+                _core_config(config.core), config.prefill_devices, config.generate_devices
+            )
         else:
             core = EngineCore(_core_config(config.core))
         core.warmup()
         grammar = None
         if config.structured_outputs:
             grammar = _grammar_compiler(str(core.config.model_path), core.limits.vocab_size)
-        pool = core.scheduler.pool
         channel.send(
             Ready(
                 max_model_len=core.limits.max_model_len,
@@ -187,11 +195,15 @@ def run(config: ProcessConfig) -> int:
                 eos_token_ids=tuple(sorted(core.eos_token_ids)),
                 kv_cache_bytes=core.kv_cache_bytes,
                 weight_bytes=core.weight_bytes,
-                num_pages=pool.num_pages,
-                page_size=pool.page_size,
+                num_pages=core.num_pages,
+                page_size=core.config.page_size,
             )
         )
-        CoreLoop(core, channel.receive, channel.send, grammar, config.fail_after_steps).run()
+        args = (channel.receive, channel.send, grammar, config.fail_after_steps)
+        if isinstance(core, DisaggregatedCore):
+            CoreLoop(core, *args).run()
+        else:
+            CoreLoop(core, *args).run()
         if leader is not None:
             leader.stop()
     except SystemExit as exc:

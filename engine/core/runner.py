@@ -9,6 +9,8 @@ plan, with logprobs, and the prompt logprobs the plan asked for).
 
 No scheduling questions cross this seam: the plan says which tokens of which sequences
 run, at which positions, in which pages; the runner pads them to a bucket and runs.
+Besides steps, it reads and writes whole pages (`read_pages`, `write_pages`: a
+disaggregated core copying a prompt's K/V from one device set's pages to another's).
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from engine import rowwise
 from engine.attention import Attention, KVLayout
 from engine.config import ModelConfig
+from engine.core.plan import PromptLogprobs, RowWork, StepPlan, StepResult
 from engine.model import Params
 from engine.paged_model import Chunk, StepBatch, forward, head_logits, make_batch
 from engine.sampling import Sampled, SamplingArrays, host_arrays, sample, top_logprobs
-from engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from engine.types import MAX_LOGPROBS, SamplingParams
 
 MODEL_AXIS = "model"
 # XLA:CPU runs a one-row product (and a 16-bit two-row one) through other kernels than
@@ -39,103 +42,6 @@ MODEL_AXIS = "model"
 # many rows, so a sequence gets the same bits alone as in a full batch.
 MIN_TOKENS_BUCKET = 8
 MIN_SEQS_BUCKET = 4
-
-
-@dataclass(frozen=True)
-class RowWork:
-    """One sequence's share of a step, as the scheduler planned it."""
-
-    chunk: Chunk  # its tokens this step, their first position, its page table
-    row: int  # its device row (penalty counts), 0..max_num_seqs - 1
-    sampling: SamplingParams
-    generated: int  # tokens it has sampled so far: which key its next token takes
-    emits: bool = True  # the step samples its next token (not a prompt chunk short of the end)
-    fresh: bool = False  # its first step: the row's counts start from zero...
-    prior: tuple[int, ...] = ()  # ...plus these tokens it sampled before it was preempted
-    allowed: np.ndarray | None = None  # structured outputs: its next token's mask
-    prompt_next: tuple[int, ...] = ()  # prompt logprobs: each position's next prompt token
-    prompt_top: int = 0  # ...and how many alternatives each
-    drafts: tuple[int, ...] = ()  # speculation: tokens to verify after its one decode token
-    draft_allowed: tuple[np.ndarray, ...] = ()  # ...with a grammar: each draft row's mask
-    carry: int = -1  # scheduled ahead: its one token is row `carry` of the step before's
-
-    @property
-    def sample_rows(self) -> int:
-        """Rows of the step it is sampled in: its decode row and one per draft token."""
-        return 1 + len(self.drafts)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    rows: tuple[RowWork, ...]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(r.chunk.tokens) + len(r.drafts) for r in self.rows)
-
-    @property
-    def sample_rows(self) -> int:
-        return sum(r.sample_rows for r in self.rows)
-
-    def offsets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Each row's first token in the step, and its first sampled row."""
-        starts, rows, at, row = [], [], 0, 0
-        for r in self.rows:
-            starts.append(at)
-            rows.append(row)
-            at += len(r.chunk.tokens) + len(r.drafts)
-            row += r.sample_rows
-        return tuple(starts), tuple(rows)
-
-    def chunks(self) -> list[Chunk]:
-        """The step's sequences as attention sees them: a speculating row's decode token and
-        each of its drafts are sequences of one query over its pages, so every one of them
-        is an ordinary decode row (the bits it would have without speculation)."""
-        out = []
-        for r in self.rows:
-            c = r.chunk
-            out.append(c)
-            out += [Chunk((d,), c.start + 1 + j, c.pages) for j, d in enumerate(r.drafts)]
-        return out
-
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """Per token of a step: the logprob of the prompt token after it, and the best ones."""
-
-    chosen: np.ndarray  # (T,) float32
-    top_ids: np.ndarray  # (T, MAX_LOGPROBS) int32
-    top_logprobs: np.ndarray  # (T, MAX_LOGPROBS) float32
-
-
-@dataclass(frozen=True)
-class StepResult:
-    tokens: np.ndarray  # (rows,) int32: each sequence's sampled token
-    logprobs: np.ndarray  # (rows,) float32: its logprob (zeros unless some row asked)
-    top_ids: np.ndarray  # (rows, MAX_LOGPROBS) int32
-    top_logprobs: np.ndarray  # (rows, MAX_LOGPROBS) float32
-    starts: tuple[int, ...] = ()  # each row's first token in the step
-    sample_rows: tuple[int, ...] = ()  # each row's first sampled row (past a row's drafts)
-    prompt: PromptLogprobs | None = None  # when some row asked for prompt logprobs
-
-    def prompt_entries(self, row: int, work: RowWork) -> list[TokenLogprobs | None]:
-        """Row `row`'s prompt logprobs: one entry per position whose next token is the
-        prompt's (vLLM's: the logprob of prompt token p + 1 given those before it)."""
-        assert self.prompt is not None
-        start, k = self.starts[row], work.prompt_top
-        out: list[TokenLogprobs | None] = []
-        for i, following in enumerate(work.prompt_next):
-            if following < 0:
-                break
-            t = start + i
-            top = tuple(
-                (int(a), float(b))
-                for a, b in zip(
-                    self.prompt.top_ids[t, :k], self.prompt.top_logprobs[t, :k], strict=True
-                )
-            )
-            out.append(TokenLogprobs(following, float(self.prompt.chosen[t]), top))
-        return out
 
 
 def buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -255,6 +161,18 @@ def _recount(counts: jax.Array, row: jax.Array, ids: jax.Array) -> jax.Array:
     return counts.at[row].set(fresh)
 
 
+def _read_pages(pages: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(layer[ids] for layer in pages)
+
+
+def _write_pages(
+    pages: tuple[jax.Array, ...], ids: jax.Array, blocks: tuple[jax.Array, ...]
+) -> tuple[jax.Array, ...]:
+    return tuple(
+        layer.at[ids].set(block, mode="drop") for layer, block in zip(pages, blocks, strict=True)
+    )
+
+
 def pages_sharding(mesh: Mesh) -> NamedSharding:
     """A layer's pages split by kv head (the combined-heads axis) over the mesh."""
     if mesh.devices.size == 1:
@@ -330,6 +248,8 @@ class Runner:
         )
         self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
         self._recount = jax.jit(_recount, donate_argnums=(0,))
+        self._read_pages = jax.jit(_read_pages)
+        self._write_pages = jax.jit(_write_pages, donate_argnums=(0,))
         self._fill = jax.jit(
             functools.partial(fill_program, cfg=cfg, attention=attention), donate_argnums=(1,)
         )
@@ -360,6 +280,20 @@ class Runner:
                 self.params, self.pages, self._call(idle, tokens, seqs).batch, self.inv_freq
             )
         jax.block_until_ready(self.pages)
+
+    def read_pages(self, ids: Sequence[int]) -> tuple[jax.Array, ...]:
+        """Every layer's pages `ids`, padded to `Shapes.pages_per_seq` (one shape); returns
+        at once, ordered after the steps dispatched before it."""
+        table = np.zeros(self.shapes.pages_per_seq, np.int32)
+        table[: len(ids)] = ids
+        return cast(tuple[jax.Array, ...], self._read_pages(self.pages, table))
+
+    def write_pages(self, ids: Sequence[int], blocks: tuple[jax.Array, ...]) -> None:
+        """Blocks from `read_pages` (another mesh's, put on this one by the caller) into
+        pages `ids`, in order; the padding past them writes nothing."""
+        table = np.full(self.shapes.pages_per_seq, self.layout.num_pages, np.int32)
+        table[: len(ids)] = ids
+        self.pages = self._write_pages(self.pages, table, blocks)
 
     def fill(self, plan: StepPlan) -> None:
         """Write the plan's K/V into the pages and nothing else; returns at once."""

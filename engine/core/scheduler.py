@@ -23,132 +23,36 @@ one in flight will leave: each sequence's `ahead` positions and `owed` token cou
 `update` takes that step, and a row that feeds an owed token names its row of the step
 in flight (`RowWork.carry`), read on the device. Steps are updated in the order planned;
 a row of a sequence that ended in between (a stop token, an abort) is dropped.
+
+Disaggregated (engine.core.disaggregated): a `prefill_only` scheduler plans prompt
+chunks only and lets each sequence go, pages and all, once its first token is sampled
+(`take_handoffs`); the decode set's scheduler `adopt`s it as a running sequence whose
+next step is its first decode row, its row's penalty counts rebuilt from its tokens.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
 from engine.core.pages import PagePool
-from engine.core.runner import Chunk, RowWork, StepPlan, StepResult
+from engine.core.plan import RowWork, StepPlan, StepResult
+from engine.core.sequence import Emitted, SchedulerConfig, Sequence
 from engine.core.speculation import (
-    MAX_SPECULATIVE_TOKENS,
     PAUSE_BELOW,
     RECOVERY,
     DraftRequest,
     NgramProposer,
     Proposer,
-    SpeculativeConfig,
     Speculator,
     average_accepted,
     grammar_masks,
 )
+from engine.paged_model import Chunk
 from engine.token_mask import token_bitmask
-from engine.types import ConstraintMatcher, SamplingParams, TokenLogprobs
-
-
-@dataclass
-class Sequence:
-    """One sample being generated, as the scheduler tracks it."""
-
-    seq_id: str
-    prompt: tuple[int, ...]
-    sampling: SamplingParams  # seed set; its constraint, if any, is the grammar
-    max_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignored) and the request's
-    prompt_logprobs: int | None = None  # alternatives per prompt position (None: none)
-    output: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
-    computed: int = 0  # positions whose K/V the pages hold
-    ahead: int = 0  # positions of it in the step in flight (scheduled ahead, not yet taken)
-    owed: int = 0  # tokens that step samples for it (0 or 1)
-    row: int | None = None  # device row while running
-    preempted: int = 0  # times it was preempted
-    cached_tokens: int = 0  # prompt positions its first admission took from the prefix cache
-    arrived: float = field(default_factory=time.monotonic)
-    scheduled: float | None = None  # its first step
-    matcher: ConstraintMatcher | None = None  # structured outputs: where its grammar stands
-    mask: np.ndarray | None = None  # the tokens its next sample may take (constrained only)
-    prompt_entries: list[TokenLogprobs | None] = field(default_factory=list)
-    accepted_average: float = MAX_SPECULATIVE_TOKENS  # speculation: drafts it has accepted
-
-    def __post_init__(self) -> None:
-        self._tokens = list(self.prompt) + self.output  # prompt then output, grown in place
-        if self.sampling.seed is None:
-            raise ValueError("sampling.seed must be set before the scheduler sees a sequence")
-        if not self.prompt:
-            raise ValueError("a sequence needs at least one prompt token")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-    @property
-    def tokens(self) -> list[int]:
-        """Prompt then output (read only: `append` grows it)."""
-        return self._tokens
-
-    def append(self, token: int) -> None:
-        self.output.append(token)
-        self._tokens.append(token)
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Prompt logprobs still to collect: only on its first pass over the prompt."""
-        return self.prompt_logprobs is not None and not self.output and not self.owed
-
-    @property
-    def next_position(self) -> int:
-        """Its first position no step has computed or is computing."""
-        return self.computed + self.ahead
-
-    @property
-    def length(self) -> int:
-        """Its tokens, counting the one the step in flight samples for it."""
-        return len(self._tokens) + self.owed
-
-
-@dataclass(frozen=True)
-class Emitted:
-    """A sampled token of a sequence; finish_reason set on its last one."""
-
-    seq_id: str
-    token: int
-    logprob: float
-    finish_reason: str | None = None  # "stop" | "length"
-    top: tuple[tuple[int, float], ...] = ()  # (id, logprob) best first, when it asked
-    cached_tokens: int = 0  # prompt positions taken from the prefix cache (first token only)
-    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # first token only
-    done: bool = False  # its grammar is complete with this token
-    error: str | None = None  # the sequence failed (its grammar refused); it has ended
-    scheduled: float | None = None  # first token only: when its first step began
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    chunk_size: int  # prompt positions per chunk, a multiple of the page size
-    max_prefill_seqs: int = 0  # prompt chunks per step (0: as many as the budget takes)
-    vocab_size: int = 0  # for allowed_token_ids' masks (0: no masks)
-    speculative: SpeculativeConfig | None = None  # drafts for decode rows (None: none)
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.chunk_size > self.max_num_batched_tokens:
-            raise ValueError(
-                f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
-                f"{self.max_num_batched_tokens}"
-            )
-        if self.max_prefill_seqs < 0:
-            raise ValueError(f"max_prefill_seqs must be >= 0, got {self.max_prefill_seqs}")
-        if self.max_prefill_seqs == 0:
-            self.max_prefill_seqs = self.max_num_batched_tokens
 
 
 class Scheduler:
@@ -178,6 +82,7 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's)
         self.prefix_hits = 0  # of those, found
         self.preemptions = 0
+        self._handoffs: list[Sequence] = []  # prefill_only: first token sampled, pages held
         spec = config.speculative
         self.speculator = None
         if spec is not None:
@@ -207,8 +112,38 @@ class Scheduler:
         return False
 
     @property
+    def can_adopt(self) -> bool:
+        """`adopt` would take a sequence now (given its pages)."""
+        return bool(self._free_rows) and not self.waiting
+
+    def adopt(self, seq: Sequence, pages: list[int]) -> bool:
+        """Run a sequence whose prompt was computed and first token sampled on another
+        scheduler (a disaggregated core's prefill set), with its grammar's state and
+        tokens, its K/V already copied into `pages` of this pool (held for it): its next
+        step is a decode row, as it would have been there. False (nothing changes) when
+        no row is free, or sequences wait here (they go first)."""
+        if not self.can_adopt:
+            return False
+        seq.row = self._free_rows.pop()
+        seq.pages, seq.computed, seq.ahead, seq.owed = pages, len(seq.tokens) - 1, 0, 0
+        seq.recount = True
+        self.running.append(seq)
+        return True
+
+    def take_handoffs(self) -> list[Sequence]:
+        """prefill_only: the sequences whose first token was sampled since the last call,
+        out of this scheduler, each still holding its pages (the caller frees them)."""
+        out, self._handoffs = self._handoffs, []
+        return out
+
+    @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps planned and not yet updated."""
+        return len(self._inflight)
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self, ahead: bool = False) -> StepPlan | None:
@@ -239,6 +174,8 @@ class Scheduler:
         preempt: list[Sequence] | None = None if ahead else planned
         blocked = False
         for seq in list(self.running):  # decode rows first, in admission order
+            if self.config.prefill_only:
+                break  # its sequences leave once their prompt is computed
             if seq not in self.running or seq.next_position != seq.length - 1:
                 continue
             if seq.owed and seq.matcher is not None:
@@ -293,6 +230,7 @@ class Scheduler:
         for seq, row in zip(planned, work, strict=True):
             seq.ahead += len(row.chunk.tokens)
             seq.owed += int(row.emits)
+            seq.recount = False
         self._inflight.append((plan, planned))
         return plan
 
@@ -318,6 +256,8 @@ class Scheduler:
                 events.append(event)
                 if event.finish_reason is not None:
                     self._finish(seq)
+                elif self.config.prefill_only:
+                    self._hand_off(seq)
         return events
 
     def _take(self, seq: Sequence, result: StepResult, at: int) -> Emitted:
@@ -370,6 +310,14 @@ class Scheduler:
         self.pool.register(seq.pages, seq.tokens, seq.computed)
         self._trim(seq, len(seq.tokens))
         return events
+
+    def _hand_off(self, seq: Sequence) -> None:
+        """Out of running, its row free, its pages still its own (take_handoffs)."""
+        self.running.remove(seq)
+        if seq.row is not None:
+            self._free_rows.append(seq.row)
+            seq.row = None
+        self._handoffs.append(seq)
 
     def _finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -489,7 +437,7 @@ class Scheduler:
             generated=len(seq.output) + seq.owed,
             emits=start + n == seq.length,
             fresh=fresh and not seq.output,
-            prior=tuple(seq.output) if fresh else (),
+            prior=tuple(seq.output) if fresh or seq.recount else (),
             allowed=seq.mask,
             prompt_next=prompt_next,
             prompt_top=seq.prompt_logprobs or 0,

@@ -32,7 +32,7 @@ import numpy as np
 from engine.types import ConstraintMatcher
 
 if TYPE_CHECKING:  # the runner imports jax: the HTTP process reads this module without it
-    from engine.core.runner import StepPlan
+    from engine.core.plan import StepPlan
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16

@@ -1,6 +1,6 @@
 """The other scale-out form: many replicas behind the Gateway API inference extension
-(gateway); and no overlay asks for disaggregated device sets, which the engine core does not
-serve yet.
+(gateway); every overlay runs interleaved (one device set), and the device-set forms a
+disaggregated server reads.
 
 InferencePool and HTTPRoute have no schema in the validator: they are checked by the
 structure of the fields we use; the EPP's metric flags in deploy/README.md against the

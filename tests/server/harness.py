@@ -183,3 +183,28 @@ def pick_stop(text: str, length: int) -> str:
         if len(window) == length and "\ufffd" not in window and window.strip():
             return window
     raise AssertionError(f"no usable stop string of {length} characters in {text!r}")
+
+
+def completion_texts(
+    server: LiveServer, prompts: list[str], max_tokens: int, **extra: object
+) -> list[str]:
+    """Each prompt's completion texts (every choice, in order) from the openai SDK, asked
+    whole and streamed; the two must agree."""
+    from openai import OpenAI  # only the HTTP tests need the SDK
+
+    client = OpenAI(base_url=server.v1, api_key="unused")
+    out: list[str] = []
+    for prompt in prompts:
+        whole = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, **extra
+        )
+        chunks = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, stream=True, **extra
+        )
+        streamed = [""] * len(whole.choices)
+        for chunk in chunks:
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+        assert streamed == [c.text for c in whole.choices]
+        out += streamed
+    return out

@@ -45,26 +45,16 @@ def test_device_and_process_flags_parse() -> None:
             "not disaggregated",
         ),
         (["--distributed-timeout", "0"], "distributed_timeout must be > 0"),
+        (
+            ["--prefill-devices", "1", "--generate-devices", "1", "--speculative-config",
+             '{"method": "ngram", "num_speculative_tokens": 2}'],
+            "does not combine with prefill_devices",
+        ),
     ],
 )  # fmt: skip
 def test_misconfiguration_is_a_clear_error(argv: list[str], problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         parse_config(argv, environ={})
-
-
-def test_disaggregated_serving_is_refused_at_start(tmp_path: Path) -> None:
-    """The engine core does not serve disaggregated device sets yet: the loader says so
-    before it starts anything."""
-    from engine.tiny import write_tiny_checkpoint
-    from server.loading import load_core
-
-    model = write_tiny_checkpoint(tmp_path / "m", arch="llama")
-    config = parse_config(
-        ["--model", str(model), "--prefill-devices", "0", "--generate-devices", "1"],
-        environ={},
-    )
-    with pytest.raises(ValueError, match="disaggregated serving .* is not supported yet"):
-        load_core(config, None, frozenset())
 
 
 COMPILE = """

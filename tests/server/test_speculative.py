@@ -14,7 +14,14 @@ import pytest
 from openai import OpenAI
 
 from server.config import parse_config
-from tests.server.harness import MODEL_NAME, LiveServer, make_config, pick_stop, serve_in_thread
+from tests.server.harness import (
+    MODEL_NAME,
+    LiveServer,
+    completion_texts,
+    make_config,
+    pick_stop,
+    serve_in_thread,
+)
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'  # noqa: E501
 PROMPTS = ["one two three one two three one two", "the cat sat on the mat the cat", "a b c d"]
@@ -27,17 +34,7 @@ def counter(text: str, name: str) -> float:
 
 
 def completions(server: LiveServer, **extra: object) -> list[str]:
-    client = OpenAI(base_url=server.v1, api_key="unused")
-    out = []
-    for prompt in PROMPTS:
-        whole = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=48, **extra)
-        chunks = client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=48, stream=True, **extra
-        )
-        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
-        assert streamed == whole.choices[0].text
-        out.append(whole.choices[0].text)
-    return out
+    return completion_texts(server, PROMPTS, 48, **extra)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

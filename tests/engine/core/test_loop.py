@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine.core.core import CoreConfig, EngineCore
-from engine.core.loop import CoreLoop
+from engine.core.loop import Core, CoreLoop, P
 from engine.core.messages import (
     Abort,
     AddRequest,
@@ -45,10 +45,10 @@ def make(folder, ahead: bool, **options) -> EngineCore:  # type: ignore[no-untyp
 
 
 def drive(
-    core: EngineCore,
+    core: Core[P],
     script: Script,
     grammar: Callable[[str, str], TokenConstraint] | None = None,
-) -> tuple[Got, CoreLoop]:
+) -> tuple[Got, CoreLoop[P]]:
     """Run the loop over the scripted messages (each returned by that receive call; Stop
     once the script is spent and nothing runs): every sample's tokens in order."""
     calls = 0
