@@ -50,6 +50,7 @@ class PendingPair:
 class TransferCounters:
     sequences: int = 0  # handed from the prefill set to the decode set
     pages: int = 0  # copied across (the rest were cached there already)
+    waits: int = 0  # times the next one found no row or pages there and waited
 
 
 class DisaggregatedCore:
@@ -127,6 +128,11 @@ class DisaggregatedCore:
         return self.prefill.scheduler.pool.num_pages + self.decode.scheduler.pool.num_pages
 
     @property
+    def handing_over(self) -> tuple[str, ...]:
+        """The sequences computed on the prefill set that wait for a decode row, in order."""
+        return tuple(seq.seq_id for seq in self._handoffs)
+
+    @property
     def busy(self) -> bool:
         return self.prefill.busy or self.decode.busy or bool(self._handoffs)
 
@@ -166,6 +172,7 @@ class DisaggregatedCore:
     def launch(self, ahead: bool = False) -> PendingPair | None:
         """Both sets' next steps, dispatched; each is planned ahead of its own step in
         flight when it has one (`ahead` is the loop's, for the pair)."""
+        self._admit_handoffs()  # rows or pages may have freed since (an abort)
         prefill = self.prefill.launch(ahead=self.prefill.scheduler.in_flight > 0)
         decode = self.decode.launch(ahead=self.decode.scheduler.in_flight > 0)
         if prefill is None and decode is None:
@@ -179,9 +186,15 @@ class DisaggregatedCore:
         self._handoffs += self.prefill.scheduler.take_handoffs()
         if pending.decode is not None:
             events += self.decode.finish(pending.decode)
-        while self._handoffs and self._hand_over(self._handoffs[0]):
-            self._handoffs.popleft()
+        self._admit_handoffs()
         return events
+
+    def _admit_handoffs(self) -> None:
+        while self._handoffs:
+            if not self._hand_over(self._handoffs[0]):
+                self.transfers.waits += 1
+                return
+            self._handoffs.popleft()
 
     def _hand_over(self, seq: Sequence) -> bool:
         """Copy seq's pages into the decode set (prompt blocks it has cached are shared,

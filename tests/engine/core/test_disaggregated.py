@@ -16,6 +16,7 @@ from engine.config import load_model_config
 from engine.core.core import CoreConfig
 from engine.core.disaggregated import DisaggregatedCore
 from engine.core.messages import Abort, Grammar
+from engine.core.sequence import Sequence
 from engine.types import SamplingParams
 from tests.engine.core.test_core import Only
 from tests.engine.core.test_loop import (
@@ -82,6 +83,7 @@ def test_a_prompt_computed_on_one_set_decodes_on_the_other_with_the_same_bits(fo
     assert core.transfers.sequences == len(moved) > 0
     assert core.transfers.pages == sum(-(-len(ps[r]) // 8) for r, _ in moved) - shared > 0
     assert loop.counters.ahead > 0
+    assert core.transfers.waits > 0  # 9 samples, 4 decode rows: some waited for a row
     drained(core)
     assert not core.busy
 
@@ -120,6 +122,32 @@ def test_blocks_the_decode_set_has_are_not_copied_again(folder) -> None:  # type
     # its 5 whole blocks were cached on the decode set: only its last page came across
     assert core.transfers.pages == 7 and core.transfers.sequences == 2
     assert again[("b", 0)] == first[("a", 0)] and len(first[("a", 0)]) == 4
+
+
+def test_an_abort_while_waiting_for_a_decode_row(folder) -> None:  # type: ignore[no-untyped-def]
+    """A sequence between the sets (first token sampled, no decode row free yet) is
+    aborted there: its prefill pages go back, the others run on."""
+    vocab = load_model_config(folder).vocab_size
+    core = split(folder)
+    for i, prompt in enumerate(prompts(vocab)):
+        core.add(Sequence(f"s{i}", tuple(prompt), GREEDY, 30))
+    emitted: dict[str, list[int]] = {}
+    while not core.handing_over:
+        pending = core.launch()
+        assert pending is not None
+        for e in core.finish(pending):
+            emitted.setdefault(e.seq_id, []).append(e.token)
+    waiting = core.handing_over[-1]
+    assert emitted[waiting] and core.abort(waiting) and waiting not in core.handing_over
+    assert not core.abort(waiting)  # gone everywhere
+    while core.busy:
+        pending = core.launch()
+        if pending is not None:
+            for e in core.finish(pending):
+                emitted.setdefault(e.seq_id, []).append(e.token)
+    assert len(emitted[waiting]) == 1  # its first token, nothing after the abort
+    assert all(len(t) == 30 for s, t in emitted.items() if s != waiting)
+    drained(core)
 
 
 def test_tensor_parallel_sets(folder) -> None:  # type: ignore[no-untyped-def]
