@@ -60,3 +60,13 @@ def test_model_code_is_pure(module: str) -> None:
     path = ROOT / module
     assert path.exists(), f"{module} is missing"
     assert sorted(imported_roots(path) & PURE_FORBIDDEN) == []
+
+
+def test_no_engine_module_runs_past_500_lines() -> None:
+    """The engine-core issue's bound: each module owns one thing, a few hundred lines."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "engine").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long

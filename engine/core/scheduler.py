@@ -40,7 +40,7 @@ import numpy as np
 
 from engine.core.pages import PagePool
 from engine.core.plan import RowWork, StepPlan, StepResult
-from engine.core.sequence import Emitted, SchedulerConfig, Sequence
+from engine.core.sequence import Emitted, SchedulerConfig, Sequence, advance_grammar
 from engine.core.speculation import (
     PAUSE_BELOW,
     RECOVERY,
@@ -265,7 +265,7 @@ class Scheduler:
         token = int(result.tokens[at])
         first = not seq.output
         seq.append(token)
-        done, error = self._advance_grammar(seq, token)
+        done, error = advance_grammar(seq, token, self._base(seq))
         reason = "stop" if done or error is not None else self._finish_reason(seq, token)
         top: tuple[tuple[int, float], ...] = ()
         if seq.sampling.logprobs is not None:
@@ -392,24 +392,6 @@ class Scheduler:
     def _base(self, seq: Sequence) -> np.ndarray:
         """allowed_token_ids' mask (every token when it has none)."""
         return token_bitmask(seq.sampling.allowed_token_ids, self.config.vocab_size)
-
-    def _advance_grammar(self, seq: Sequence, token: int) -> tuple[bool, str | None]:
-        """(grammar complete, why it failed): its matcher takes the token, and the mask of
-        the next one is computed (an empty mask fails it too)."""
-        if seq.matcher is None:
-            return False, None
-        try:
-            if seq.matcher.advance(token):
-                return True, None
-            mask = np.empty_like(self._base(seq))
-            seq.matcher.fill_mask(mask)
-            mask &= self._base(seq)
-            if not mask.any():
-                raise ValueError("no token the request allows can come next")
-        except ValueError as exc:  # the request's constraint failed, not the core
-            return False, str(exc)
-        seq.mask = mask
-        return False, None
 
     def _chunk(self, seq: Sequence) -> int:
         """Positions of its prompt (or recomputed tokens) the next chunk covers: up to the

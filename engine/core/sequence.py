@@ -3,7 +3,8 @@
 Owns nothing shared: a `Sequence` belongs to the one scheduler that holds it (the core
 loop's thread), and moves whole between schedulers when a disaggregated core hands a
 prompt's sequence from its prefill set to its decode set. `Emitted` is the event a
-sampled token becomes; `SchedulerConfig` the bounds a scheduler plans within.
+sampled token becomes; `SchedulerConfig` the bounds a scheduler plans within;
+`advance_grammar` a sequence's structured-output matcher taking its sampled token.
 """
 
 from __future__ import annotations
@@ -121,3 +122,22 @@ class SchedulerConfig:
             raise ValueError("a prefill-only scheduler does not speculate")
         if self.max_prefill_seqs == 0:
             self.max_prefill_seqs = self.max_num_batched_tokens
+
+
+def advance_grammar(seq: Sequence, token: int, base: np.ndarray) -> tuple[bool, str | None]:
+    """(grammar complete, why it failed): seq's matcher takes the token, and the mask of
+    its next one is computed within `base` (allowed_token_ids'; an empty mask fails it)."""
+    if seq.matcher is None:
+        return False, None
+    try:
+        if seq.matcher.advance(token):
+            return True, None
+        mask = np.empty_like(base)
+        seq.matcher.fill_mask(mask)
+        mask &= base
+        if not mask.any():
+            raise ValueError("no token the request allows can come next")
+    except ValueError as exc:  # the request's constraint failed, not the core
+        return False, str(exc)
+    seq.mask = mask
+    return False, None
