@@ -461,6 +461,13 @@ class Scheduler:
             if seq.wants_prompt_logprobs:
                 return  # every prompt position's logits are needed: no hit may skip one
             seq.pages = self.pool.match_prefix(seq.tokens)
+            last = len(seq.tokens) - 1
+            if len(seq.pages) * self.pool.page_size == last and last % self.config.chunk_size:
+                # One position left would run as a decode row, computed without the hit
+                # in a chunk's tile; the two forms differ in the last bits on XLA:CPU
+                # (engine.attention.cpu), so it takes its last page's positions with it.
+                self.pool.free(seq.pages[-1:])
+                del seq.pages[-1:]
             seq.computed = len(seq.pages) * self.pool.page_size
             if not seq.preempted:
                 seq.cached_tokens = seq.computed
