@@ -16,7 +16,8 @@ pages; the chunk after it ends on the same boundary a fresh prompt's would), so 
 rows are never stalled for more than one chunk's worth of tokens. Out of pages, the
 sequence admitted last is preempted: its pages and row are released and it waits at
 the front of the queue, to be computed again from its prompt and the tokens it has
-(vLLM's recompute policy): a client never sees it, and its seeded tokens do not change.
+(vLLM's recompute policy; the prompt in its chunks, each token it had as a decode row
+again, so no bit changes): a client never sees it.
 
 With one step in flight (`schedule(ahead=True)`), the next step is planned from what the
 one in flight will leave: each sequence's `ahead` positions and `owed` token count until
@@ -176,7 +177,9 @@ class Scheduler:
         for seq in list(self.running):  # decode rows first, in admission order
             if self.config.prefill_only:
                 break  # its sequences leave once their prompt is computed
-            if seq not in self.running or seq.next_position != seq.length - 1:
+            if seq not in self.running:
+                continue
+            if seq.next_position != seq.length - 1 and not seq.replays:
                 continue
             if seq.owed and seq.matcher is not None:
                 return None  # its mask follows the token in flight
@@ -189,7 +192,7 @@ class Scheduler:
             work.append(self._work(seq, 1, carry=carries[id(seq)] if seq.owed else -1))
             planned.append(seq)
             budget -= 1
-        for seq in [s for s in self.running if s.next_position < s.length - 1]:
+        for seq in [s for s in self.running if s.next_position < min(len(s.prompt), s.length - 1)]:
             if seq not in self.running:
                 continue  # preempted by an older prompt of this step
             n = self._chunk(seq)
@@ -394,11 +397,13 @@ class Scheduler:
         return token_bitmask(seq.sampling.allowed_token_ids, self.config.vocab_size)
 
     def _chunk(self, seq: Sequence) -> int:
-        """Positions of its prompt (or recomputed tokens) the next chunk covers: up to the
-        next multiple of chunk_size, not past the last token it has."""
-        size = self.config.chunk_size
-        boundary = (seq.next_position // size + 1) * size
-        return min(boundary, seq.length) - seq.next_position
+        """Positions of its prompt the next chunk covers: up to the next multiple of
+        chunk_size, not past the prompt; past the prompt (a preempted sequence computing
+        its tokens again) one position, fed alone as when the token was sampled."""
+        start, size = seq.next_position, self.config.chunk_size
+        if start >= len(seq.prompt):
+            return 1
+        return min((start // size + 1) * size, len(seq.prompt)) - start
 
     def _work(self, seq: Sequence, n: int, fresh: bool = False, carry: int = -1) -> RowWork:
         """`carry`: seq owes a token (its row of the step in flight): the one to feed."""
@@ -461,10 +466,10 @@ class Scheduler:
             if seq.wants_prompt_logprobs:
                 return  # every prompt position's logits are needed: no hit may skip one
             seq.pages = self.pool.match_prefix(seq.tokens)
-            last = len(seq.tokens) - 1
+            last = len(seq.prompt) - 1
             if len(seq.pages) * self.pool.page_size == last and last % self.config.chunk_size:
-                # One position left would run as a decode row, computed without the hit
-                # in a chunk's tile; the two forms differ in the last bits on XLA:CPU
+                # One prompt position left would run as a decode row, computed without the
+                # hit in a chunk's tile; the two forms differ in the last bits on XLA:CPU
                 # (engine.attention.cpu), so it takes its last page's positions with it.
                 self.pool.free(seq.pages[-1:])
                 del seq.pages[-1:]

@@ -73,6 +73,13 @@ class Sequence:
         return self.computed + self.ahead
 
     @property
+    def replays(self) -> bool:
+        """Preempted, computing a token it had again: one query a step, the form (and so
+        the bits) its K/V had when the token was sampled (XLA:CPU's decode-row attention
+        differs in the last bits from a prompt chunk's)."""
+        return len(self.prompt) <= self.next_position < self.length - 1
+
+    @property
     def length(self) -> int:
         """Its tokens, counting the one the step in flight samples for it."""
         return len(self._tokens) + self.owed

@@ -153,6 +153,25 @@ def test_a_prefix_hit_gives_the_logprob_bits_of_none(folder) -> None:  # type: i
         assert [s.cached_tokens for s in seqs] == [32, 32, 40, 16]
 
 
+def test_a_preempted_sequence_gets_the_logprob_bits_it_had(tiny_checkpoint_of) -> None:  # type: ignore[no-untyped-def]
+    """Recomputed after a preemption, a sequence's prompt runs in the chunks it ran in,
+    and the tokens it had one a step, as decode rows, as they ran when sampled: its
+    later tokens and logprobs keep their bits (hidden 256, where the chunk form of those
+    positions gave other last bits)."""
+    wide = tiny_checkpoint_of("llama", hidden_size=256, intermediate_size=512)
+    rng = np.random.default_rng(3)
+    vocab = load_model_config(wide).vocab_size
+    ps = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(5, 40, 8)]
+    for sampling in (replace(GREEDY, logprobs=1), replace(SEEDED, seed=7, logprobs=1)):
+        roomy = {k: [(e.token, e.logprob) for e in v] for k, v in run(
+            make(wide, max_model_len=96, num_pages=128), seqs_of(ps, sampling, 40)
+        ).items()}  # fmt: skip
+        seqs = seqs_of(ps, sampling, 40)
+        tight = run(make(wide, max_model_len=96, num_pages=12), seqs)
+        assert sum(s.preempted for s in seqs) > 0
+        assert {k: [(e.token, e.logprob) for e in v] for k, v in tight.items()} == roomy
+
+
 def test_stop_tokens_max_tokens_and_abort(folder) -> None:  # type: ignore[no-untyped-def]
     core = make(folder)
     p = prompts(core.model_config.vocab_size)[1]
