@@ -63,8 +63,6 @@ class DisaggregatedCore:
                 f"the prefill and decode sets lay out pages differently ({source.shape[1:]} "
                 f"against {target.shape[1:]}): give both the same number of devices"
             )
-        if not decode.scheduler.pool.prefix_caching:
-            raise ValueError("the decode set takes prompts through its prefix cache: keep it on")
         self.prefill = prefill
         self.decode = decode
         self.transfers = TransferCounters()
@@ -78,7 +76,7 @@ class DisaggregatedCore:
         cls, config: CoreConfig, prefill_devices: str, generate_devices: str
     ) -> DisaggregatedCore:
         """Two cores of `config` on the device sets these specs name (engine.mesh), each a
-        tensor-parallel mesh of its devices; the decode set keeps its prefix cache on."""
+        tensor-parallel mesh of its devices."""
         if config.speculative_config is not None:
             raise ValueError("speculative decoding is not supported with disaggregated serving")
         available = [d.id for d in jax.devices()]
@@ -92,9 +90,7 @@ class DisaggregatedCore:
         prefill = EngineCore(
             replace(config, devices=ids[0], tensor_parallel_size=len(ids[0]), prefill_only=True)
         )
-        decode = EngineCore(
-            replace(config, devices=ids[1], tensor_parallel_size=len(ids[1]), prefix_caching=True)
-        )
+        decode = EngineCore(replace(config, devices=ids[1], tensor_parallel_size=len(ids[1])))
         logger.info("disaggregated: prefill on devices %s, decode on %s", ids[0], ids[1])
         return cls(prefill, decode)
 

@@ -122,6 +122,13 @@ def test_blocks_the_decode_set_has_are_not_copied_again(folder) -> None:  # type
     # its 5 whole blocks were cached on the decode set: only its last page came across
     assert core.transfers.pages == 7 and core.transfers.sequences == 2
     assert again[("b", 0)] == first[("a", 0)] and len(first[("a", 0)]) == 4
+    # without a prefix cache every page comes across, every time, to the same tokens
+    plain = split(folder, prefix_caching=False)
+    for rid in "ab":
+        got, _ = drive(plain, {0: [request(rid, prompt, GREEDY, 4)], 1: []})
+        assert got[(rid, 0)] == first[("a", 0)]
+    assert plain.transfers.pages == 12
+    drained(plain)
 
 
 def test_an_abort_while_waiting_for_a_decode_row(folder) -> None:  # type: ignore[no-untyped-def]
