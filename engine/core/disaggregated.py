@@ -50,7 +50,7 @@ class PendingPair:
 class TransferCounters:
     sequences: int = 0  # handed from the prefill set to the decode set
     pages: int = 0  # copied across (the rest were cached there already)
-    waits: int = 0  # times the next one found no row or pages there and waited
+    waits: int = 0  # steps after which one still waited for a row or pages there
 
 
 class DisaggregatedCore:
@@ -182,15 +182,17 @@ class DisaggregatedCore:
         self._handoffs += self.prefill.scheduler.take_handoffs()
         if pending.decode is not None:
             events += self.decode.finish(pending.decode)
-        self._admit_handoffs()
+        if not self._admit_handoffs():
+            self.transfers.waits += 1
         return events
 
-    def _admit_handoffs(self) -> None:
+    def _admit_handoffs(self) -> bool:
+        """Hand over the waiting sequences in order; False when one is still waiting."""
         while self._handoffs:
             if not self._hand_over(self._handoffs[0]):
-                self.transfers.waits += 1
-                return
+                return False
             self._handoffs.popleft()
+        return True
 
     def _hand_over(self, seq: Sequence) -> bool:
         """Copy seq's pages into the decode set (prompt blocks it has cached are shared,

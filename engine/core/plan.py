@@ -26,7 +26,8 @@ class RowWork:
     generated: int  # tokens it has sampled so far: which key its next token takes
     emits: bool = True  # the step samples its next token (not a prompt chunk short of the end)
     fresh: bool = False  # its first step: the row's counts start from zero...
-    prior: tuple[int, ...] = ()  # ...plus these tokens it sampled before it was preempted
+    prior: tuple[int, ...] = ()  # its row's counts rebuilt from these tokens first: those it
+    # sampled before a preemption, or on a disaggregated core's other device set
     allowed: np.ndarray | None = None  # structured outputs: its next token's mask
     prompt_next: tuple[int, ...] = ()  # prompt logprobs: each position's next prompt token
     prompt_top: int = 0  # ...and how many alternatives each
