@@ -23,9 +23,20 @@ _EVENT_TYPE = re.compile(r"[a-z_.]+")
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# Line breaks to Python's str.splitlines (and so to httpx's and requests' iter_lines) that
+# JSON leaves raw: escaped, a generated U+2028 would split a `data:` line for those clients.
+_LINE_BREAKS = re.compile("[\x85\u2028\u2029]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
 def _json(payload: dict[str, Any]) -> bytes:
     """Compact JSON never holds a raw newline, so one `data:` line suffices."""
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    if _LINE_BREAKS.search(text):
+        text = _LINE_BREAKS.sub(_escape, text)
     return text.encode("utf-8")
 
 

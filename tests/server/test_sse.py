@@ -153,6 +153,24 @@ def test_unicode_prompts_stream_valid_utf8(live: LiveServer, prompt: str) -> Non
     assert whole.startswith(prompt)
 
 
+def test_line_separators_in_text_keep_each_event_on_one_line(live: LiveServer) -> None:
+    # httpx's and requests' iter_lines split on every str.splitlines break, U+2028 included;
+    # a raw one inside a `data:` line cut an event in two for those clients (a lost request).
+    prompt = "one\u2028two\x85three\u2029four"
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True, "echo": True,
+            "ignore_eos": True}  # fmt: skip
+    texts = []
+    with httpx.stream("POST", live.v1 + "/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                texts.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
+    assert "".join(texts).startswith(prompt)
+    assert encode_event({"t": prompt}).decode("utf-8").splitlines() == [
+        'data: {"t":"one\\u2028two\\u0085three\\u2029four"}',
+        "",
+    ]
+
+
 @pytest.mark.parametrize("prompt", UNICODE_PROMPTS[:2])
 def test_unicode_chat_stream_matches_whole(live: LiveServer, prompt: str) -> None:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
