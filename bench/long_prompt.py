@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 
 from bench.loadgen import Target, stream_one
@@ -42,8 +42,9 @@ async def one_case(
     target: Target, streams: list[RequestSpec], long: RequestSpec | None
 ) -> dict[str, Any]:
     records = [RequestRecord(s.index, len(s.prompt), 0.0) for s in streams]
-    limits = httpx.Limits(max_connections=len(streams) + 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as c:
+    connector = aiohttp.TCPConnector(limit=len(streams) + 1)
+    timeout = aiohttp.ClientTimeout(total=600.0, connect=30.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as c:
         tasks = [
             asyncio.create_task(stream_one(c, target, s, r))
             for s, r in zip(streams, records, strict=True)

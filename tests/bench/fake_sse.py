@@ -25,6 +25,7 @@ class Script:
     status: int = 200
     error_after: int | None = None  # send an error event after this many chunks
     cut_after: int | None = None  # close the socket after this many chunks, no [DONE]
+    piecewise: bool = False  # "\r\n" line ends, each event written a few bytes at a time
 
 
 @dataclass
@@ -68,9 +69,15 @@ class FakeServer:
                 await writer.drain()
                 return
             await asyncio.sleep(delay)
-            writer.write(_event({"choices": [{"index": 0, "text": f"t{n}"}]}))
-            writer.write(b": ping\n\n")  # comments are not chunks
-            await writer.drain()
+            event = _event({"choices": [{"index": 0, "text": f"t{n}\u2028"}]}) + b": ping\n\n"
+            if not script.piecewise:
+                writer.write(event)  # comments are not chunks
+                await writer.drain()
+                continue
+            for start in range(0, len(event), 5):  # reads that end inside lines
+                writer.write(event[start : start + 5].replace(b"\n", b"\r\n"))
+                await writer.drain()
+                await asyncio.sleep(0.001)
         if script.usage_tokens is not None:
             writer.write(
                 _event({"choices": [], "usage": {"completion_tokens": script.usage_tokens}})
@@ -80,7 +87,7 @@ class FakeServer:
 
 
 def _event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
 async def _read_request(reader: asyncio.StreamReader) -> dict:

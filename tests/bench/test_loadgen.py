@@ -26,6 +26,7 @@ SCRIPTS = {
     4: Script(first_s=0.01, gaps_s=(GAP_S,) * 3, error_after=2),  # error event mid-stream
     5: Script(first_s=0.01, gaps_s=(GAP_S,) * 3, cut_after=2),  # no [DONE]
     6: Script(first_s=0.01, gaps_s=(GAP_S,) * 3),  # no usage: tokens = chunks
+    7: Script(first_s=0.01, gaps_s=(GAP_S,) * 3, usage_tokens=4, piecewise=True),
 }
 
 
@@ -65,6 +66,17 @@ def test_records_and_summary_against_scripted_server() -> None:
         assert r.ttft_s >= FIRST_S  # the script slept this long before the first chunk
     # TPOT divides by tokens, not chunks: request 2 spread 5 later tokens over 2 gaps
     assert ok[1].tpot_s == pytest.approx((ok[1].e2e_s - ok[1].ttft_s) / 5)
+
+
+def test_events_split_across_reads_with_crlf_line_ends_count_the_same() -> None:
+    # Lines end in "\r\n" and arrive a few bytes per read; each event's text holds a raw
+    # U+2028, which a splitlines-based reader would take for a line end.
+    with serve(SCRIPTS) as fake:
+        result = run(fake.base_url, specs(7, 6), concurrency=2)
+    piecewise, whole = result.records
+    assert piecewise.error is None and whole.error is None
+    assert (len(piecewise.chunk_times), piecewise.output_tokens) == (4, 4)
+    assert len(whole.chunk_times) == 4
 
 
 def test_burst_sends_everything_at_once() -> None:
