@@ -147,6 +147,8 @@ class EngineMetrics:
             registry=registry,
         )
         registry.register(_StatsCollector(model_name, read_stats))
+        # Observed once a token: the series resolved here, not by a labels() lookup each time.
+        self._itl = self.itl.labels(model_name)
 
     def observe_first_token(self, timings: RequestTimings) -> None:
         """A prompt's first token reached the server: its queue, prefill and TTFT, at once."""
@@ -160,7 +162,7 @@ class EngineMetrics:
 
     def observe_inter_token(self, seconds: float) -> None:
         """The gap between two tokens of one sample, as each arrives."""
-        self.itl.labels(self.model_name).observe(max(0.0, seconds))
+        self._itl.observe(max(0.0, seconds))
 
     def observe_end(self, timings: RequestTimings) -> None:
         """A prompt's stream ended (all its samples)."""
