@@ -57,6 +57,7 @@ from engine.request import (
     RequestRejected,
     RequestStream,
     Unavailable,
+    Wakeups,
     sample_samplings,
 )
 from engine.text import TextStream, TextStreamFactory
@@ -345,10 +346,14 @@ class EngineClient:
         self._stats = outputs.stats
         for request_id, why in outputs.rejected:
             self._reject(request_id, why)
-        for token in outputs.tokens:
-            self._on_token(token)
+        wakeups = Wakeups()  # one wake-up of the event loop for the step's tokens
+        try:
+            for token in outputs.tokens:
+                self._on_token(token, wakeups)
+        finally:
+            wakeups.wake()
 
-    def _on_token(self, out: TokenOut) -> None:
+    def _on_token(self, out: TokenOut, wakeups: Wakeups) -> None:
         open_ = self._open.get(out.request_id)
         if open_ is None or out.index not in open_.live:
             return  # aborted meanwhile (its stream is closed), or ended by a stop string
@@ -388,7 +393,8 @@ class EngineClient:
                 prompt_logprobs=prompt,
                 cached_tokens=out.cached_tokens,
                 emitted=now,
-            )
+            ),
+            wakeups,
         )
         if step.finish_reason is None:
             return

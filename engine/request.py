@@ -193,15 +193,19 @@ class RequestStream:
     def error(self) -> RequestFailed | None:
         return None if self._closed is None else self._closed.error
 
-    def push(self, delta: Delta) -> bool:
-        """Append a delta; False when the stream is already closed."""
+    def push(self, delta: Delta, wakeups: Wakeups | None = None) -> bool:
+        """Append a delta; False when the stream is already closed. With `wakeups`, an
+        asyncio consumer is woken when they are (`Wakeups.wake`), not at once."""
         with self._cond:
             if self._closed is not None:
                 return False
             self._items.append(delta)
             self._cond.notify_all()
             waiter, self._waiter = self._waiter, None
-        _wake(waiter)
+        if wakeups is None:
+            _wake(waiter)
+        elif waiter is not None:
+            wakeups.add(waiter)
         return True
 
     def close(self, *, aborted: bool = False, error: RequestFailed | None = None) -> bool:
@@ -264,6 +268,29 @@ class RequestStream:
         closed = self._closed
         if closed is not None and closed.error is not None:
             raise closed.error
+
+
+class Wakeups:
+    """The asyncio consumers of a batch of pushes (one step's tokens), woken with one
+    call per event loop: one wake-up of the loop a step rather than one a stream."""
+
+    def __init__(self) -> None:
+        self._futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+
+    def add(self, waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]) -> None:
+        loop, future = waiter
+        self._futures.setdefault(loop, []).append(future)
+
+    def wake(self) -> None:
+        futures, self._futures = self._futures, {}
+        for loop, batch in futures.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_resolve_all, batch)
+
+
+def _resolve_all(futures: list[asyncio.Future[None]]) -> None:
+    for future in futures:
+        _resolve(future)
 
 
 def _wake(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None) -> None:
