@@ -115,10 +115,7 @@ async def stream_one(
     except (aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
         return
-    if record.done is None:
-        record.error = "stream ended without [DONE]"
-    elif not record.output_tokens:
-        record.output_tokens = len(record.chunk_times)
+    record.error = "stream ended without [DONE]"  # [DONE] and error events return above
 
 
 def _take_line(record: RequestRecord, line: bytes) -> bool:
