@@ -41,10 +41,13 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Engine-only limit ({results['max_slots']} slots busy, no server): "
         f"{_f(eng['before']['tok_per_s'])} tok/s before the servers, "
-        f"{_f(eng['after']['tok_per_s'])} after; the larger is the limit below.",
+        f"{_f(eng['after']['tok_per_s'])} after; the larger is the limit below. With "
+        "alternating rounds the engine also runs after each server's round; paired is the "
+        "median of each round's full occupancy over that run.",
         "",
-        "| server | full occupancy tok/s | / engine-only | tok/s at c=slots / engine-only |",
-        "| --- | --- | --- | --- |",
+        "| server | full occupancy tok/s | / engine-only | paired by round | "
+        "tok/s at c=slots / engine-only |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for run in results["servers"]:
         if "sweep" not in run:
@@ -53,6 +56,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {run['server']} | {_f(run['full_occupancy']['output_tok_per_s'])} | "
             f"{_f(ratio['full_occupancy_over_engine'], 3)} | "
+            f"{_f(ratio.get('full_occupancy_over_engine_paired'), 3)} | "
             f"{_f(ratio['sweep_at_max_slots_over_engine'], 3)} |"
         )
     for run in results["servers"]:

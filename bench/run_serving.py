@@ -119,9 +119,11 @@ def server_result(
     per_level: list[list[RunResult]],
     probes: list[RunResult],
     slots: int,
+    engine_per_round: list[float] | None = None,
 ) -> dict[str, Any]:
     """One server's figures; with several rounds each level pools them and keeps each
-    round's brief (for per-round ratios), and full occupancy is the rounds' median."""
+    round's brief (for per-round ratios), and full occupancy is the rounds' median.
+    `engine_per_round`: the engine alone's tok/s run just after each round's probe."""
     sweep = []
     for level, results in zip(levels, per_level, strict=True):
         entry = level_summary(merged(results), level)
@@ -131,6 +133,9 @@ def server_result(
         sweep.append(entry)
     occupancy = [full_occupancy_tok_s(p.records) for p in probes]
     known = [o for o in occupancy if o is not None]
+    paired = {}
+    if engine_per_round is not None:
+        paired = {"per_round": occupancy, "engine_only_per_round": engine_per_round}
     return {
         "server": running.spec.name,
         "command": running.spec.public_command(),
@@ -141,6 +146,7 @@ def server_result(
             "requests": slots,
             "output_tok_per_s": statistics.median(known) if known else None,
             **{k: v for k, v in merged(probes).summary().items() if k in ("completed", "failed")},
+            **paired,
         },
     }
 
@@ -207,6 +213,7 @@ def ratios(engine: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]
         ]
         out[name] = {
             "full_occupancy_over_engine": occupancy / limit if occupancy else None,
+            **_paired_with_engine(run["full_occupancy"]),
             "sweep_at_max_slots_over_engine": (
                 at_slots[0]["output_tok_per_s"] / limit if at_slots else None
             ),
@@ -250,6 +257,16 @@ def _paired(a: dict, b: dict | None) -> dict[str, Any]:
         }
         | {"rounds": len(pairs)}
     }
+
+
+def _paired_with_engine(occupancy: dict[str, Any]) -> dict[str, Any]:
+    """With --alternate: the median over rounds of a round's full occupancy over the engine
+    alone run just after it (the machine's speed drifts by a fifth within a run)."""
+    rounds = zip(
+        occupancy.get("per_round", ()), occupancy.get("engine_only_per_round", ()), strict=True
+    )
+    known = [server / engine for server, engine in rounds if server and engine]
+    return {"full_occupancy_over_engine_paired": statistics.median(known)} if known else {}
 
 
 def _ratio(a: dict, b: dict | None, key: str, sub: str | None = None) -> float | None:
@@ -364,10 +381,12 @@ def run_alternating(
     """--alternate N: one server up at a time. Each round starts every server in turn (the
     first one rotating), sends it a warm-up, every level and the full-occupancy probe, and
     stops it before the next starts, so no server's idle threads share the cores with
-    another's work. Each round has prompts of its own, the same for every server."""
+    another's work; the engine alone then runs, to pair with that probe. Each round has
+    prompts of its own, the same for every server."""
     runnable, out = installed(specs)
     per_level: dict[str, list[list[RunResult]]] = {s.name: [[] for _ in levels] for s in runnable}
     probes: dict[str, list[RunResult]] = {s.name: [] for s in runnable}
+    engine: dict[str, list[float]] = {s.name: [] for s in runnable}
     warms: dict[str, RunResult] = {}
     last: dict[str, servers.Running] = {}
     for k in range(args.alternate):
@@ -389,9 +408,13 @@ def run_alternating(
                     last[spec.name] = running
             except (RuntimeError, TimeoutError) as exc:
                 out.append({"server": spec.name, "round": k, "skipped": f"did not start: {exc}"})
+                continue
+            alone = engine_only(model, args.max_slots, args.context, workload, args.engine_rounds)
+            engine[spec.name].append(alone["tok_per_s"])
+            print(json.dumps({"round": k, "engine_only_after": spec.name, **alone}), flush=True)
     results = [
         server_result(last[s.name], warms[s.name], levels, per_level[s.name], probes[s.name],
-                      args.max_slots)
+                      args.max_slots, engine[s.name])
         for s in runnable
         if s.name in last and all(len(r) == args.alternate for r in per_level[s.name])
     ]  # fmt: skip

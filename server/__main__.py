@@ -153,13 +153,9 @@ class DrainingServer(uvicorn.Server):
 
 def build_server(config: ServerConfig) -> DrainingServer:
     """The HTTP server."""
-    from sse_starlette.sse import AppStatus
-
     from server.app import create_app
     from server.loading import load_backend
 
-    # We drain streams ourselves; sse-starlette must not cut them on uvicorn's exit flag.
-    AppStatus.disable_automatic_graceful_drain()
     app = create_app(config, functools.partial(load_backend, config))
     uv_config = uvicorn.Config(
         app,

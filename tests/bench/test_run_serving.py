@@ -71,3 +71,17 @@ def test_rounds_send_every_server_the_same_prompts_and_pair_their_figures(tmp_pa
         "servers": runs, "ratios": r,
     }  # fmt: skip
     assert "paired: output tok/s | TTFT p50 | ITL p50 | rounds |" in markdown(results)
+
+
+def test_full_occupancy_pairs_each_round_with_the_engine_run_after_it() -> None:
+    """A machine that slows by half in round 2 halves both figures of that round: paired,
+    the ratio holds; against the larger engine-alone figure of the run it would not."""
+    full = {"requests": 2, "output_tok_per_s": 90.0, "per_round": [100.0, 50.0, None],
+            "engine_only_per_round": [125.0, 62.5, 120.0]}  # fmt: skip
+    alone = {"requests": 2, "output_tok_per_s": 90.0}
+    runs = [{"server": "ours", "sweep": [], "full_occupancy": full},
+            {"server": "peer", "sweep": [], "full_occupancy": alone}]  # fmt: skip
+    r = ratios({"before": {"tok_per_s": 125.0}, "after": {"tok_per_s": 100.0}}, runs)
+    assert r["ours"]["full_occupancy_over_engine_paired"] == 0.8  # a failed round is left out
+    assert r["ours"]["full_occupancy_over_engine"] == 90.0 / 125.0
+    assert "full_occupancy_over_engine_paired" not in r["peer"]
