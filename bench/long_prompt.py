@@ -34,6 +34,7 @@ from bench.report import emit
 from bench.run_serving import checkpoint
 from bench.servers import ours, started
 from bench.workload import RequestSpec
+from engine.heap import freeze_startup_heap
 
 PROMPT_TOKENS = 64
 
@@ -42,6 +43,7 @@ async def one_case(
     target: Target, streams: list[RequestSpec], long: RequestSpec | None
 ) -> dict[str, Any]:
     records = [RequestRecord(s.index, len(s.prompt), 0.0) for s in streams]
+    freeze_startup_heap()  # as bench.loadgen: no full collection of this process mid-case
     connector = aiohttp.TCPConnector(limit=len(streams) + 1)
     timeout = aiohttp.ClientTimeout(total=600.0, connect=30.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as c:

@@ -27,6 +27,8 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from engine.heap import freeze_startup_heap
+from server.backend import Backend
 from server.config import ServerConfig, parse_config
 from server.lifecycle import Runtime
 from server.logs import configure_logging
@@ -151,12 +153,22 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _load_and_freeze(config: ServerConfig) -> Backend:
+    """The backend, then this process's startup objects frozen (engine.heap), so that no full
+    collection walks them mid-stream; only the entrypoint's server does this, not the apps
+    tests build in their own process."""
+    from server.loading import load_backend
+
+    backend = load_backend(config)
+    logger.info("startup heap frozen", extra={"objects": freeze_startup_heap()})
+    return backend
+
+
 def build_server(config: ServerConfig) -> DrainingServer:
     """The HTTP server."""
     from server.app import create_app
-    from server.loading import load_backend
 
-    app = create_app(config, functools.partial(load_backend, config))
+    app = create_app(config, functools.partial(_load_and_freeze, config))
     uv_config = uvicorn.Config(
         app,
         host=config.host,

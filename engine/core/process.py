@@ -167,6 +167,7 @@ def run(config: ProcessConfig) -> int:
         from engine.core.core import EngineCore
         from engine.core.disaggregated import DisaggregatedCore
         from engine.core.loop import CoreLoop
+        from engine.heap import freeze_startup_heap
 
         leader = None
         core: EngineCore | DisaggregatedCore
@@ -188,6 +189,7 @@ def run(config: ProcessConfig) -> int:
         grammar = None
         if config.structured_outputs:
             grammar = _grammar_compiler(str(core.config.model_path), core.limits.vocab_size)
+        logger.info("engine core: startup heap frozen (%d objects)", freeze_startup_heap())
         channel.send(
             Ready(
                 max_model_len=core.limits.max_model_len,

@@ -62,6 +62,10 @@ def test_probes_api_key_and_sigterm_drain(tiny_checkpoint: Path, tmp_path: Path)
     access = [r for r in records if r.get("message") == "request" and r.get("status") == 200]
     assert any(r.get("completion_tokens") for r in access), "access log lines carry token counts"
     assert all("request_id" in r for r in access)
+    frozen = [r for r in records if r.get("message") == "startup heap frozen"]
+    assert len(frozen) == 1 and frozen[0]["objects"] > 10_000, frozen  # once, when ready
+    core = [r["message"] for r in records if "engine core: startup heap frozen" in r["message"]]
+    assert len(core) == 1 and int(core[0].split("(")[1].split()[0]) > 10_000, core
 
 
 def _reap(proc: subprocess.Popen) -> None:
