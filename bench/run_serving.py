@@ -18,7 +18,8 @@ For one checkpoint and one workload it measures, in this order:
      output tokens/s while all of them decode);
   3. engine-only again, so drift of a shared machine shows.
 With `--alternate N` only one server is up at a time: each round starts every server in
-turn (the first one rotating), sends it every level and the probe, and stops it; levels
+turn (the first one rotating), sends it every level and the probe, and stops it, and the
+engine alone runs after each (full occupancy over it, per round, is "paired"); levels
 pool the rounds' requests and ratios also come per round ("paired"). Use this mode
 against peers: two servers up at once measure each other's idle threads.
 With `--rounds N` (2 or more) every server is started first and kept up, and each
