@@ -118,7 +118,8 @@ class EventStream(Response):
         self._complete = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        headers = self.raw_headers
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
         if scope.get("method") == "HEAD":
             self.events = _nothing()
         sender = asyncio.ensure_future(self._send_events(send))
