@@ -8,9 +8,10 @@ one `prompt-len` prompt added at once and stepped until every one decodes (the p
 cache makes every prompt after the first a hit), then `steps` more steps timed (the
 scheduler's plan, the runner's step and its host copy, with one step in flight as the
 core's loop runs them unless `--no-async-scheduling`: that loop minus its sockets). The
-contexts grow from prompt-len as a serving run's do. The figure
-is the median of `rounds` such runs. The serving runner starts this in its own process,
-before and after the servers, so the two never share cores.
+contexts grow from prompt-len as a serving run's do. The figure is the median of `rounds`
+such runs; `host_cpu_ms_per_step` is the median of this thread's CPU a step over them (the
+host's share of each step). The serving runner starts this in its own process, before and
+after the servers, so the two never share cores.
 """
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def timed_steps(core: Any, steps: int) -> float:
-    """Seconds for `steps` steps, dispatched as engine.core.loop does: the next before
-    waiting for the one in flight, when the core schedules asynchronously."""
+def timed_steps(core: Any, steps: int) -> tuple[float, float]:
+    """(seconds, this thread's CPU seconds) for `steps` steps, dispatched as
+    engine.core.loop does: the next before waiting for the one in flight, when the core
+    schedules asynchronously. The CPU is the host's work (planning, preparing,
+    dispatching, taking the tokens), which on XLA:CPU shares the cores with the steps."""
     ahead = core.config.async_scheduling
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.thread_time()
     pending = core.launch()
     for _ in range(steps - 1):
         following = core.launch(ahead=True) if ahead else None
         core.finish(pending)
         pending = following if following is not None else core.launch()
     core.finish(pending)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.thread_time() - cpu
 
 
 def engine_tok_s(
@@ -66,7 +69,7 @@ def engine_tok_s(
     greedy = SamplingParams(temperature=0.0, seed=0)
     vocab = core.model_config.vocab_size
     prompt = tuple((7 * i + 3) % vocab for i in range(prompt_len))
-    rates = []
+    rates, host = [], []
     for r in range(rounds + 1):  # the first round warms the caches
         for i in range(slots):
             core.add(Sequence(f"{r}-{i}", prompt, greedy, steps + 2))
@@ -74,10 +77,12 @@ def engine_tok_s(
             core.scheduler.waiting
         ):
             core.step()  # every prompt in, every row decoding
-        rates.append(slots * steps / timed_steps(core, steps))
+        seconds, cpu = timed_steps(core, steps)
+        rates.append(slots * steps / seconds)
+        host.append(1e3 * cpu / steps)
         while core.scheduler.busy:
             core.step()
-    rates = rates[1:]
+    rates, host = rates[1:], host[1:]
     return {
         "slots": slots,
         "prompt_len": prompt_len,
@@ -87,6 +92,7 @@ def engine_tok_s(
         "tok_per_s": statistics.median(rates),
         "tok_per_s_rounds": rates,
         "step_ms": 1e3 * slots / statistics.median(rates),
+        "host_cpu_ms_per_step": statistics.median(host),
     }
 
 

@@ -255,6 +255,7 @@ class Runner:
         )
         self._idle = host_arrays(SamplingParams(temperature=0.0, seed=0), cfg.vocab_size)
         self._host: dict[int, tuple[SamplingParams, SamplingArrays]] = {}  # by device row
+        self._last_stack: tuple[list[SamplingArrays], SamplingArrays] | None = None
         # multi-host: called with each call before it runs (the leader's followers)
         self.mirror: Callable[[StepCall], None] | None = None
 
@@ -365,8 +366,7 @@ class Runner:
             starts, _ = plan.offsets()
             for start, r in zip(starts, plan.rows, strict=True):
                 carry[start] = r.carry
-        stacked = [np.stack(field) for field in zip(*per_row, strict=True)]
-        sampling = SamplingArrays(*cast(list[jax.Array], stacked))  # host arrays, as jit takes
+        sampling = self._stacked(per_row)
         return StepCall(batch, rows, emits, fresh, sampling, generated, recount, following, carry)
 
     def execute(self, call: StepCall) -> Launched:
@@ -401,20 +401,41 @@ class Runner:
     def collect(self, plan: StepPlan, launched: Launched) -> StepResult:
         """Wait for a launched step and copy what the plan's rows need to the host."""
         real = plan.sample_rows
-        host = jax.device_get(launched.sampled)
+        sampled = launched.sampled
+        if any(r.sampling.logprobs is not None for r in plan.rows):
+            host = [np.asarray(a)[:real] for a in jax.device_get(tuple(sampled))]
+        else:  # the logprob fields are zeros (engine.sampling): only the tokens cross
+            host = [np.asarray(sampled.token)[:real]]
+            host += [np.zeros((real, *a.shape[1:]), a.dtype) for a in sampled[1:]]
         prompt = None
         if launched.prompt is not None:
             prompt = PromptLogprobs(*(np.asarray(a) for a in launched.prompt))
         starts, sample_rows = plan.offsets()
+        tokens, logprobs, top_ids, top_logprobs = host
         return StepResult(
-            tokens=np.asarray(host.token[:real]),
-            logprobs=np.asarray(host.logprob[:real]),
-            top_ids=np.asarray(host.top_ids[:real]),
-            top_logprobs=np.asarray(host.top_logprobs[:real]),
+            tokens=tokens,
+            logprobs=logprobs,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
             starts=starts,
             sample_rows=sample_rows,
             prompt=prompt,
         )
+
+    def _stacked(self, per_row: list[SamplingArrays]) -> SamplingArrays:
+        """The rows' sampling arrays stacked (host arrays, as jit takes them); the last
+        stack again while every row holds the same arrays as then (steady decoding)."""
+        last = self._last_stack
+        if (
+            last is not None
+            and len(last[0]) == len(per_row)
+            and all(a is b for a, b in zip(last[0], per_row, strict=True))
+        ):
+            return last[1]
+        stacked = [np.stack(field) for field in zip(*per_row, strict=True)]
+        sampling = SamplingArrays(*cast(list[jax.Array], stacked))
+        self._last_stack = (per_row, sampling)
+        return sampling
 
     def _sampling(self, work: RowWork, allowed: np.ndarray | None = None) -> SamplingArrays:
         """A row's sampling arrays, built once per sequence (the mask changes per step;

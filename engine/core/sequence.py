@@ -18,8 +18,8 @@ from engine.core.speculation import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from engine.types import ConstraintMatcher, SamplingParams, TokenLogprobs
 
 
-@dataclass
-class Sequence:
+@dataclass(eq=False)  # one object per sample: the scheduler's `in` and `remove` compare
+class Sequence:  # identities, never every field of two sequences
     """One sample being generated, as the scheduler tracks it."""
 
     seq_id: str

@@ -316,3 +316,18 @@ def test_penalties_read_their_own_sequences_counts(folder) -> None:  # type: ign
     assert alone != tokens([Sequence("p", tuple(ps[1]), GREEDY, 12)])  # the penalty matters
     others = seqs_of(ps[2:5], GREEDY, 12)
     assert tokens([*others, Sequence("p", tuple(ps[1]), penalized, 12)]) == alone
+
+
+def test_a_row_taken_over_samples_with_its_new_sequences_parameters(folder) -> None:  # type: ignore[no-untyped-def]
+    """One device row: a greedy sequence, then at once a penalized one in the same row (the
+    runner reuses the rows' stacked sampling arrays only while every row holds the same
+    ones): the penalized one gets the tokens it gets in a core of its own."""
+    ps = prompts(load_model_config(folder).vocab_size)
+    penalized = SamplingParams(temperature=0.0, seed=0, frequency_penalty=2.0, presence_penalty=1.0)
+    alone = tokens_of(run(make(folder), [Sequence("p", tuple(ps[1]), penalized, 12)]))["p"]
+    assert alone != tokens_of(run(make(folder), [Sequence("p", tuple(ps[1]), GREEDY, 12)]))["p"]
+    first = Sequence("g", tuple(ps[2]), GREEDY, 12)
+    after = tokens_of(
+        run(make(folder, max_num_seqs=1), [first, Sequence("p", tuple(ps[1]), penalized, 12)])
+    )
+    assert after["p"] == alone
