@@ -1,4 +1,5 @@
-"""Weights read from *.safetensors (one file or sharded with an index) into a param pytree.
+"""Weights read from *.safetensors (one file or sharded with an index), or from one GGUF
+file (engine.gguf, dequantized to float32), into a param pytree.
 
 Owns: the mapping from Hugging Face tensor names to the engine's layout. Each
 layer keeps its own arrays (a list, not a stacked axis: slicing a stacked
@@ -77,6 +78,44 @@ class _TensorReader:
         return name in self.location
 
 
+class _GGUFTensors:
+    """Looks tensors up by their Hugging Face names in a folder's one GGUF file."""
+
+    def __init__(self, file: Path) -> None:
+        from engine.gguf import GGUFFile
+
+        self.file = GGUFFile(file)
+        self.names = self.file.tensor_names()
+
+    def get(self, name: str, shape: tuple[int, ...], part: tuple[slice, ...] = ()) -> np.ndarray:
+        gguf_name = self.names.get(name)
+        if gguf_name is None:
+            raise CheckpointError(f"{self.file.path}: tensor {name!r} not found in the GGUF file")
+        tensor = self.file.tensor(gguf_name)
+        if tensor.shape != shape:
+            raise CheckpointError(
+                f"{self.file.path}: tensor {gguf_name!r} has shape {tensor.shape}, expected {shape}"
+            )
+        return tensor[part] if part else tensor
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+
+def gguf_file(folder: Path) -> Path | None:
+    """The folder's GGUF file when it holds no safetensors and one *.gguf (a folder that
+    engine.gguf_folder prepared)."""
+    if any(folder.glob("*.safetensors")):
+        return None
+    found = sorted(folder.glob("*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
+def _tensors(folder: Path) -> _TensorReader | _GGUFTensors:
+    found = gguf_file(folder)
+    return _TensorReader(folder) if found is None else _GGUFTensors(found)
+
+
 def _open(file: Path) -> Any:
     try:
         return safe_open(str(file), framework="numpy")
@@ -101,7 +140,7 @@ def load_params(
     if not 0 <= shard < config.shards:
         raise ValueError(f"shard must be in 0..{config.shards - 1}, got {shard}")
     target = NP_DTYPES[dtype]
-    reader = _TensorReader(folder)
+    reader = _tensors(folder)
     c = config
     h, d = c.hidden_size, c.head_dim
     kv_size = c.kv_size // c.kv_replicas  # the checkpoint's

@@ -12,6 +12,7 @@ Connections: uvicorn's h11 protocol with deadlines on what a client owes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -28,6 +29,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from engine.heap import freeze_startup_heap
+from engine.model_source import resolve
+from engine.types import CheckpointError
 from server.backend import Backend
 from server.config import ServerConfig, parse_config
 from server.lifecycle import Runtime
@@ -186,6 +189,15 @@ def build_server(config: ServerConfig) -> DrainingServer:
     return DrainingServer(uv_config, app.state.runtime, config.drain_timeout)
 
 
+def with_model_source(config: ServerConfig) -> ServerConfig:
+    """`config` with --model resolved to the folder the engine loads (engine.model_source:
+    the default model fetched, a GGUF prepared, the demo built) and its served name fixed,
+    before anything starts; a CheckpointError names what cannot be served."""
+    source = resolve(config.model, config.resolved_cache_dir)
+    name = config.served_model_name or source.name
+    return dataclasses.replace(config, model=source.folder, served_model_name=name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(argv)
@@ -193,10 +205,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"llm-server: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(config.log_level, config.log_format)
+    try:
+        config = with_model_source(config)
+    except CheckpointError as exc:
+        logger.error("cannot serve the model: %s", exc)
+        print(f"llm-server: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     logger.info(
         "starting",
         extra={
-            "model": str(config.model) if config.model else "demo",
+            "model": str(config.model),
             "served_model_name": config.model_name,
             "host": config.host,
             "port": config.port,
@@ -226,7 +244,7 @@ def follow_main(config: ServerConfig) -> int:
     SIGTERM does not stop it: process 0 drains and then says stop (Kubernetes signals every
     pod of the group at once)."""
     from engine import multihost
-    from server.loading import enable_compile_cache, model_path
+    from server.loading import enable_compile_cache
 
     address, process_id = config.coordinator_address, config.process_id
     assert address is not None and process_id is not None  # ServerConfig checked them
@@ -246,7 +264,6 @@ def follow_main(config: ServerConfig) -> int:
     signal.signal(signal.SIGTERM, lambda sig, frame: logger.info("SIGTERM: following on"))
     try:
         enable_compile_cache(config)
-        model_path(config)  # the demo checkpoint, built here as process 0 builds its own
         code = multihost.follow(leader)
     except Exception:
         logger.exception("following process 0 failed")

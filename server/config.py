@@ -18,6 +18,7 @@ from typing import Any
 from engine.attention.kv_dtype import KV_CACHE_DTYPES
 from engine.core.speculation import SpeculativeConfig
 from engine.faults import FaultPlan
+from engine.model_source import DEFAULT_MODEL, DEMO, DEMO_NAME
 from engine.quant import QUANTIZATIONS
 from engine.types import DTYPE_NAMES as DTYPES
 from server.tool_parsers import PARSERS as TOOL_PARSERS
@@ -207,15 +208,13 @@ class ServerConfig:
 
     @property
     def model_name(self) -> str:
-        """The id clients use: --served-model-name, else the checkpoint folder's name."""
+        """The id clients use: --served-model-name, else the checkpoint's file or folder name
+        (the default model's and the demo's own names when --model is absent or `demo`)."""
         if self.served_model_name:
             return self.served_model_name
-        return self.model.name if self.model is not None else "demo-model"
-
-    @property
-    def demo_model_dir(self) -> Path:
-        """Where the embedded demo checkpoint lives when --model is not given."""
-        return self.resolved_cache_dir / "demo-model"
+        if self.model is None:
+            return DEFAULT_MODEL.name
+        return DEMO_NAME if str(self.model) == DEMO else self.model.name
 
     @property
     def compile_cache_dir(self) -> Path:
@@ -240,6 +239,14 @@ def _byte_size(text: str) -> int:
         return int(float(value[: len(value) - len(unit)]) * _UNITS[unit])
     except (KeyError, ValueError) as exc:
         raise ValueError(f"a size in bytes like 8GiB or 512MiB, got {text!r}") from exc
+
+
+def _model(text: str) -> Path | None:
+    """A checkpoint path, or `demo` (a folder of that name is given as ./demo)."""
+    if not text or text == DEMO:
+        return Path(text) if text else None
+    path = Path(text).expanduser()
+    return path.absolute() if str(path) == DEMO else path
 
 
 def _optional_path(text: str) -> Path | None:
@@ -275,7 +282,11 @@ def _speculative(text: str) -> str:
 
 # flag name -> (parser from text, help)
 _FLAGS: dict[str, tuple[object, str]] = {
-    "model": (_optional_path, "local Hugging Face checkpoint folder (default: embedded demo)"),
+    "model": (
+        _model,
+        "a local Hugging Face checkpoint folder, a GGUF file (or a folder holding one), or "
+        f"`demo` (a random tiny model; default: {DEFAULT_MODEL.name}, fetched once)",
+    ),
     "served_model_name": (str, "model id in the API (default: the folder's name)"),
     "host": (str, "bind address"),
     "port": (int, "bind port"),
@@ -311,7 +322,11 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "timeout_keep_alive": (float, "seconds a kept-alive connection may idle between requests"),
     "header_read_timeout": (float, "seconds a client has to send a request's headers"),
     "body_read_timeout": (float, "seconds a client has to send a whole request body"),
-    "cache_dir": (_optional_path, "the demo model and the compile cache (default ~/.cache/...)"),
+    "cache_dir": (
+        _optional_path,
+        "the default and demo models, prepared GGUF folders and the compile cache "
+        "(default ~/.cache/...)",
+    ),
     "compile_cache": (_switch, "keep compiled programs under cache-dir/jax: restarts warm fast"),
     "fault_injection": (str, "test-only: fail the engine core, e.g. core:after=3 (steps)"),
     "max_n": (int, "largest n per request"),

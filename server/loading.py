@@ -1,4 +1,4 @@
-"""Build the backend a config asks for: checkpoint (or the demo), tokenizer, the engine core.
+"""Build the backend a config asks for: checkpoint, tokenizer, the engine core.
 
 Runs on: the runtime's loader thread, once. Slow (loads weights and compiles
 every shape); the HTTP server answers the probes meanwhile.
@@ -16,24 +16,12 @@ from server.config import ServerConfig
 logger = logging.getLogger(__name__)
 
 
-def ensure_demo_model(folder: Path) -> Path:
-    """The embedded demo checkpoint, built deterministically on first use."""
-    from engine.tiny import write_tiny_checkpoint
-
-    if (folder / "config.json").is_file():
-        return folder
-    logger.info("building the demo model", extra={"path": str(folder)})
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(folder.name + ".partial")
-    write_tiny_checkpoint(tmp, arch="llama", seed=0)
-    tmp.replace(folder)  # atomic: a crash mid-build never leaves a half model behind
-    return folder
-
-
 def model_path(config: ServerConfig) -> Path:
-    if config.model is not None:
-        return config.model
-    return ensure_demo_model(config.demo_model_dir)
+    """The checkpoint folder `--model` names (engine.model_source: a GGUF prepared, the
+    default model fetched, the demo built, each once)."""
+    from engine.model_source import resolve
+
+    return resolve(config.model, config.resolved_cache_dir).folder
 
 
 def enable_compile_cache(config: ServerConfig) -> Path | None:

