@@ -79,41 +79,32 @@ class _TensorReader:
 
 
 class _GGUFTensors:
-    """Looks tensors up by their Hugging Face names in a folder's one GGUF file."""
+    """Looks tensors up by their Hugging Face names in a prepared GGUF folder's file."""
 
-    def __init__(self, file: Path) -> None:
-        from engine.gguf import GGUFFile
+    def __init__(self, folder: Path) -> None:
+        from engine.gguf import TensorLoader
 
-        self.file = GGUFFile(file)
-        self.names = self.file.tensor_names()
+        self.loader = TensorLoader.open(folder)
 
     def get(self, name: str, shape: tuple[int, ...], part: tuple[slice, ...] = ()) -> np.ndarray:
-        gguf_name = self.names.get(name)
-        if gguf_name is None:
-            raise CheckpointError(f"{self.file.path}: tensor {name!r} not found in the GGUF file")
-        tensor = self.file.tensor(gguf_name)
+        if name not in self.loader.index:
+            raise CheckpointError(f"{self.loader.file}: tensor {name!r} not found in the GGUF file")
+        tensor = self.loader.get(name)
         if tensor.shape != shape:
             raise CheckpointError(
-                f"{self.file.path}: tensor {gguf_name!r} has shape {tensor.shape}, expected {shape}"
+                f"{self.loader.file}: tensor {name!r} has shape {tensor.shape}, expected {shape}"
             )
         return tensor[part] if part else tensor
 
     def has(self, name: str) -> bool:
-        return name in self.names
-
-
-def gguf_file(folder: Path) -> Path | None:
-    """The folder's GGUF file when it holds no safetensors and one *.gguf (a folder that
-    engine.gguf_folder prepared)."""
-    if any(folder.glob("*.safetensors")):
-        return None
-    found = sorted(folder.glob("*.gguf"))
-    return found[0] if len(found) == 1 else None
+        return name in self.loader.index
 
 
 def _tensors(folder: Path) -> _TensorReader | _GGUFTensors:
-    found = gguf_file(folder)
-    return _TensorReader(folder) if found is None else _GGUFTensors(found)
+    """A prepared GGUF folder's loader (engine.gguf_folder), else the safetensors reader."""
+    from engine.gguf import INDEX_FILE
+
+    return _GGUFTensors(folder) if (folder / INDEX_FILE).is_file() else _TensorReader(folder)
 
 
 def _open(file: Path) -> Any:
@@ -152,7 +143,7 @@ def load_params(
     every = slice(None)
 
     def get(name: str, shape: tuple[int, ...], *part: slice) -> np.ndarray:
-        return reader.get(name, shape, tuple(part)).astype(target)
+        return reader.get(name, shape, tuple(part)).astype(target, copy=False)
 
     def layer(i: int) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."

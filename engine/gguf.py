@@ -8,12 +8,15 @@ arrays. Anything it cannot serve faithfully (an architecture, a tensor type, RoP
 frequency factors, a truncated file) is a `CheckpointError` naming the file and the
 problem.
 
-`prepare_folder` (engine.gguf_folder) writes these next to a link to the file once, so
-the rest of the engine reads a GGUF like any checkpoint folder.
+`prepare_folder` (engine.gguf_folder) writes these, and an index of the tensors' bytes,
+next to a link to the file once, so the rest of the engine reads a GGUF like any
+checkpoint folder; `TensorLoader` dequantizes from that index at every load.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ import numpy as np
 
 from engine.types import CheckpointError
 
+INDEX_FILE = "gguf_tensors.json"  # in a prepared folder: where each tensor's bytes lie
 # general.architecture -> the Hugging Face class the engine serves it as (Mistral's GGUFs
 # say "llama": llama.cpp converts them as Llama).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -209,33 +213,84 @@ class GGUFFile:
             out["bos_token_id"] = int(bos)
         return out
 
-    def tensor_names(self) -> dict[str, str]:
-        """Hugging Face name -> GGUF name, for every tensor the engine reads."""
-        names = {}
-        for name in self._tensors:
-            hf = hf_name(name)
+    def write_index(self, folder: Path, link: str) -> None:
+        """The index `TensorLoader.open` reads: every tensor's bytes in the file `link`."""
+        config = self.hf_config()
+        data = {
+            "file": link,
+            "arch": self.arch,
+            "heads": config["num_attention_heads"],
+            "kv_heads": config["num_key_value_heads"],
+            "tensors": {
+                hf: [i.name, i.kind, list(i.shape), i.offset, i.nbytes]
+                for hf, i in self.tensor_index().items()
+            },
+        }
+        (folder / INDEX_FILE).write_text(json.dumps(data), encoding="utf-8")
+
+    def tensor_index(self) -> dict[str, TensorInfo]:
+        """Hugging Face name -> where its bytes lie, for every tensor the engine reads."""
+        index = {}
+        for tensor in self._reader.tensors:
+            hf = hf_name(tensor.name)
             if hf is not None:
-                names[hf] = name
-        return names
-
-    def tensor(self, gguf_name: str) -> np.ndarray:
-        """A tensor dequantized to float32, in Hugging Face's (out, in) layout, with the
-        query and key rows in Hugging Face's order."""
-        from gguf import quants
-
-        tensor = self._tensors[gguf_name]
-        try:
-            values = quants.dequantize(tensor.data, tensor.tensor_type)
-        except Exception as exc:  # a malformed block raises whatever numpy raises
-            raise CheckpointError(f"{self.path}: cannot dequantize {gguf_name!r} ({exc})") from exc
-        shape = tuple(int(n) for n in reversed(tensor.shape))
-        values = np.asarray(values, dtype=np.float32).reshape(shape)
-        if self.arch == "llama":  # llama.cpp permutes these for Llama only
-            if ".attn_q." in gguf_name:
-                values = unpermute_rows(values, int(self._required("attention.head_count")))
-            elif ".attn_k." in gguf_name:
-                kv = self._arch_field("attention.head_count_kv") or self._required(
-                    "attention.head_count"
+                shape = tuple(int(n) for n in reversed(tensor.shape))
+                info = TensorInfo(
+                    tensor.name, tensor.tensor_type.name, shape, tensor.data_offset, tensor.n_bytes
                 )
-                values = unpermute_rows(values, int(kv))
-        return values
+                index[hf] = info
+        return index
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file: its name there, type, shape in Hugging Face's (out, in)
+    order, and the span of its bytes in the file."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class TensorLoader:
+    """Tensors of a GGUF file dequantized to float32 from an index of their bytes, without
+    parsing the file again (its header, whose vocabulary alone is ~100k fields, took ~3 s
+    of the gguf package's reader per load of SmolLM2-135M)."""
+
+    def __init__(
+        self, file: Path, index: dict[str, TensorInfo], arch: str, heads: int, kv_heads: int
+    ):
+        self.file = file
+        self.index = index
+        self._bytes = np.memmap(file, np.uint8, mode="r")
+        self._permuted = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
+
+    @classmethod
+    def open(cls, folder: Path) -> TensorLoader:
+        """The loader of a prepared folder (engine.gguf_folder): its index and GGUF link."""
+        data = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))
+        index = {
+            hf: TensorInfo(name, kind, tuple(shape), offset, nbytes)
+            for hf, (name, kind, shape, offset, nbytes) in data["tensors"].items()
+        }
+        return cls(folder / data["file"], index, data["arch"], data["heads"], data["kv_heads"])
+
+    def get(self, hf: str) -> np.ndarray:
+        """A tensor dequantized to float32, in Hugging Face's (out, in) layout, with the
+        query and key rows in Hugging Face's order (llama.cpp permutes them for Llama)."""
+        from gguf import GGMLQuantizationType, quants
+
+        info = self.index[hf]
+        rows = int(np.prod(info.shape[:-1]))
+        raw = self._bytes[info.offset : info.offset + info.nbytes]
+        if raw.size != info.nbytes:
+            raise CheckpointError(f"{self.file}: truncated at tensor {info.name!r}")
+        try:
+            values = quants.dequantize(raw.reshape(rows, -1), GGMLQuantizationType[info.kind])
+        except Exception as exc:  # a malformed block raises whatever numpy raises
+            raise CheckpointError(f"{self.file}: cannot dequantize {info.name!r} ({exc})") from exc
+        values = np.asarray(values, dtype=np.float32).reshape(info.shape)
+        heads = self._permuted.get(info.name.split(".")[-2])
+        return values if heads is None else unpermute_rows(values, heads)

@@ -4,7 +4,8 @@ Owns: the prepared folder of one GGUF file under a cache directory: config.json 
 generation_config.json from its metadata (engine.gguf), the tokenizer files that
 transformers' GGUF conversion writes (vocabulary, merges, special tokens, chat template:
 the same ids as `AutoTokenizer.from_pretrained(dir, gguf_file=...)`), and a link to the
-file itself, whose tensors engine.checkpoint dequantizes at every load. Receives the
+file itself with an index of where each tensor's bytes lie, from which
+engine.checkpoint dequantizes them at every load (engine.gguf.TensorLoader). Receives the
 file's path; emits the folder's. Converting the tokenizer takes seconds, so it is done
 once per file (keyed by its path, size and modification time), not at every start.
 """
@@ -23,7 +24,7 @@ from engine.types import CheckpointError
 logger = logging.getLogger(__name__)
 
 # Bumped when what a prepared folder holds changes, so older folders are not reused.
-FORMAT = 1
+FORMAT = 2
 LINK_NAME = "model.gguf"
 
 
@@ -69,6 +70,7 @@ def prepare_folder(file: Path, cache_root: Path) -> Path:
     generation = json.dumps(gguf.generation_config(), indent=2)
     (tmp / "generation_config.json").write_text(generation, encoding="utf-8")
     (tmp / LINK_NAME).symlink_to(file)
+    gguf.write_index(tmp, LINK_NAME)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
     return folder
