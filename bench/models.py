@@ -6,6 +6,9 @@ Run: `python -m bench.models NAME OUT_DIR [--sdist FILE.tar.gz | --vocab-gguf FI
   100m      ~102M params: hidden 768, 10 layers, GPT-2's 50,257-token vocabulary
             (tied), the GPT-2 tokenizer bundled with the tests; the shape of
             bench.orchestrator_bench
+  smollm2-135m  the default model (SmolLM2-135M-Instruct, engine.model_source): its
+            GGUF dequantized to a float32 safetensors folder with its tokenizer, the
+            same weights for our server and peers that do not read GGUF alike
   70m-128k  ~68.6M params: hidden 256, 4 layers, Llama 3's 128,256-token
             vocabulary (untied), float32; its tokenizer is Llama 3's byte-level
             BPE rebuilt from the vocabulary GGUF that llama.cpp ships in its
@@ -66,7 +69,8 @@ SHAPES = {
     "100m": Shape(768, 10, 12, 4, 2048, 50257, tied=True),
     "70m-128k": Shape(256, 4, 4, 2, 704, 128256, tied=False),
 }
-MODELS = ("tiny", *SHAPES)
+MODELS = ("tiny", "smollm2-135m", *SHAPES)
+REAL = "smollm2-135m"
 
 
 def build(name: str, folder: Path, *, context: int = 1024, vocab_gguf: Path | None = None) -> Path:
@@ -74,6 +78,8 @@ def build(name: str, folder: Path, *, context: int = 1024, vocab_gguf: Path | No
     folder = Path(folder)
     if name == "tiny":
         return write_tiny_checkpoint(folder, arch="llama", seed=0)
+    if name == REAL:
+        return default_model_folder(folder)
     if name not in SHAPES:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     shape = SHAPES[name]
@@ -91,6 +97,43 @@ def build(name: str, folder: Path, *, context: int = 1024, vocab_gguf: Path | No
     ids = write_gguf_tokenizer(vocab_gguf, folder, context)
     _set_special_ids(folder, bos=ids["bos"], eos=ids["eos"])
     return folder
+
+
+def default_model_folder(folder: Path, cache_dir: Path | None = None) -> Path:
+    """The default model as a float32 safetensors checkpoint folder."""
+    from engine.gguf_folder import prepare_folder
+    from engine.model_source import fetch_default
+
+    cache = cache_dir or Path.home() / ".cache" / "jax-llm-server"
+    return gguf_as_safetensors(prepare_folder(fetch_default(cache), cache / "gguf"), folder)
+
+
+def gguf_as_safetensors(prepared: Path, into: Path, layers: int | None = None) -> Path:
+    """A prepared GGUF folder (engine.gguf_folder) as a float32 safetensors folder: its
+    first `layers` layers (all by default) with the embedding, final norm and head, its
+    config and tokenizer files."""
+    import re
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from engine.gguf import INDEX_FILE, TensorLoader
+
+    loader = TensorLoader.open(prepared)
+    config = json.loads((prepared / "config.json").read_text(encoding="utf-8"))
+    layers = config["num_hidden_layers"] if layers is None else layers
+    keep = {
+        name: np.ascontiguousarray(loader.get(name))
+        for name in loader.index
+        if not (m := re.match(r"model\.layers\.(\d+)\.", name)) or int(m.group(1)) < layers
+    }
+    into.mkdir(parents=True, exist_ok=True)
+    save_file(keep, str(into / "model.safetensors"))
+    (into / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}))
+    for extra in prepared.iterdir():  # tokenizer files, generation config, chat template
+        if extra.suffix in (".json", ".jinja") and extra.name not in ("config.json", INDEX_FILE):
+            shutil.copy(extra, into / extra.name)
+    return into
 
 
 def _set_special_ids(folder: Path, bos: int, eos: int) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.models import gguf_as_safetensors
 from bench.report import emit
 from bench.servers import ServerSpec, ours, started
 from bench.speculative import spec_counters
@@ -201,32 +201,6 @@ def spec_tpot_ms(base: str) -> tuple[float, dict[str, float]]:
     return float(np.median(tpots)), {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-def draft_cut(folder: Path, into: Path, layers: int) -> Path:
-    """The model's first `layers` layers, its embedding, final norm and (tied) head, as a
-    safetensors checkpoint folder with its tokenizer: the draft."""
-    import shutil
-
-    from safetensors.numpy import save_file
-
-    from engine.gguf import TensorLoader
-
-    loader = TensorLoader.open(folder)
-    keep = {
-        name: np.ascontiguousarray(loader.get(name))
-        for name in loader.index
-        if not (m := re.match(r"model\.layers\.(\d+)\.", name)) or int(m.group(1)) < layers
-    }
-    into.mkdir(parents=True, exist_ok=True)
-    save_file(keep, str(into / "model.safetensors"))
-    config = json.loads((folder / "config.json").read_text()) | {"num_hidden_layers": layers}
-    (into / "config.json").write_text(json.dumps(config))
-    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(folder / name, into / name)
-    if (folder / "chat_template.jinja").exists():
-        shutil.copy(folder / "chat_template.jinja", into / "chat_template.jinja")
-    return into
-
-
 def with_args(spec: ServerSpec, name: str, args: Sequence[str]) -> ServerSpec:
     escaped = tuple(a.replace("{", "{{").replace("}", "}}") for a in args)  # argv is a template
     return ServerSpec(name, (*spec.argv, *escaped), spec.ready_path, spec.env)
@@ -275,7 +249,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def speculative(folder: Path, draft_layers: int) -> dict[str, Any]:
-    draft = draft_cut(folder, folder.parent / f"{folder.name}-draft{draft_layers}", draft_layers)
+    draft = gguf_as_safetensors(
+        folder, folder.parent / f"{folder.name}-draft{draft_layers}", draft_layers
+    )
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     model = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     plain = ours()

