@@ -251,15 +251,17 @@ def chat_logprobs(
     tokenizer: TokenizerClient,
     token_ids: tuple[int, ...],
     lps: tuple[TokenLogprobs, ...],
-    top_n: int,
+    plan: GenerationPlan,
     name: Callable[[int], str] | None = None,
 ) -> list[dict[str, Any]]:
-    """OpenAI's logprobs content; `name` gives a token's `token` (default: its text)."""
+    """OpenAI's logprobs content, each position's alternatives as `plan` lists them;
+    `name` gives a token's `token` (default: its text)."""
     name = name or tokenizer.token_text
     content = []
     for token_id, lp in zip(token_ids, lps, strict=True):
         entry = _entry(tokenizer, name, token_id, lp.logprob)
-        entry["top_logprobs"] = [_entry(tokenizer, name, t, v) for t, v in lp.top[:top_n]]
+        top = plan.alternatives(lp)
+        entry["top_logprobs"] = [_entry(tokenizer, name, t, v) for t, v in top]
         content.append(entry)
     return content
 
@@ -347,7 +349,7 @@ class ChatShaper(ResponseShaper):
         new_logprobs = None
         if self.plan.logprobs is not None and delta.logprobs is not None:
             new_logprobs = chat_logprobs(
-                self.tokenizer, delta.token_ids, delta.logprobs, self.plan.logprobs, self.token_text
+                self.tokenizer, delta.token_ids, delta.logprobs, self.plan, self.token_text
             )
             choice.logprobs = (choice.logprobs or []) + new_logprobs
         elif self.plan.logprobs is not None and choice.logprobs is None:

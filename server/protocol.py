@@ -115,6 +115,9 @@ class SamplingFields(RequestModel):
     # vLLM's: prompt logprobs (k alternatives, <= MAX_LOGPROBS; params), token ids in the
     # choices, "token_id:N" for tokens in logprobs, and prompt truncation to N tokens
     prompt_logprobs: StrictInt | None = None
+    # vLLM's: these ids' logprobs at each generated position instead of the most likely
+    # ones (with logprobs set; 1 to 128 ids in the vocabulary: engine.types' rules)
+    logprob_token_ids: list[StrictInt] | None = None
     return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # -1: the context
@@ -125,7 +128,6 @@ class SamplingFields(RequestModel):
     repetition_penalty: StrictFloat | None = _float()
     min_p: StrictFloat | None = _float()
     use_beam_search: StrictBool = False
-    logprob_token_ids: list[StrictInt] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     bad_words: list[StrictStr] | None = None
 
@@ -137,11 +139,6 @@ class SamplingFields(RequestModel):
             return "min_p", "min_p is not supported"
         if self.use_beam_search:
             return "use_beam_search", "use_beam_search is not supported (beam search)"
-        if self.logprob_token_ids:
-            return (
-                "logprob_token_ids",
-                "logprob_token_ids is not supported: use logprobs / top_logprobs",
-            )
         if self.kv_transfer_params is not None:
             return (
                 "kv_transfer_params",

@@ -93,6 +93,8 @@ class StepResult:
     starts: tuple[int, ...] = ()  # each row's first token in the step
     sample_rows: tuple[int, ...] = ()  # each row's first sampled row (past a row's drafts)
     prompt: PromptLogprobs | None = None  # when some row asked for prompt logprobs
+    # (rows, MAX_LOGPROB_TOKEN_IDS) float32: the logprobs of each row's logprob_token_ids
+    picked_logprobs: np.ndarray | None = None
 
     def prompt_entries(self, row: int, work: RowWork) -> list[TokenLogprobs | None]:
         """Row `row`'s prompt logprobs: one entry per position whose next token is the
