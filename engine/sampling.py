@@ -1,8 +1,8 @@
 """On-device sampling for a batch of rows, each with its own parameters and key.
 
 Owns: penalties, min_tokens, logit bias, the allowed-token bitmask, greedy /
-temperature / top-k / top-p in one pass, and the logprobs of the raw logits (the
-top ones, and those of the ids a row names: vLLM's logprob_token_ids).
+temperature / top-k / top-p in one pass, and when each row's logprobs of the raw
+logits are computed (engine.logprobs computes them).
 Every row is computed independently of the others and the random draw is
 always made over the full vocabulary in token order, so a seeded row samples
 the same token whatever shares its batch.
@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from engine import rowwise
+from engine.logprobs import raw_logprobs
 from engine.token_mask import token_bitmask
 from engine.types import (
     INT32_MAX,
@@ -107,14 +108,6 @@ def host_arrays(sampling: SamplingParams, vocab_size: int) -> SamplingArrays:
         "picked_ids": picked_ids,
     }
     return SamplingArrays(**host)
-
-
-def top_logprobs(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The MAX_LOGPROBS best (logprob, id) per row, padded with -inf if the vocab is smaller."""
-    k = min(MAX_LOGPROBS, logprobs.shape[-1])
-    values, ids = lax.top_k(logprobs, k)
-    pad = ((0, 0), (0, MAX_LOGPROBS - k))
-    return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids, pad)
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -375,7 +368,7 @@ def _sample_any(
     rows = logits.shape[0]
     logprob, top_lps, top_ids, picked = lax.cond(
         jnp.any(params.logprobs),
-        _logprobs,
+        raw_logprobs,
         lambda *_: (
             jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
@@ -436,28 +429,6 @@ def _adjust(
     )
     hold_eos = (generated < params.min_tokens)[:, None] & eos_mask[None, :]
     return jnp.where(hold_eos, -jnp.inf, adjusted)
-
-
-def _logprobs(
-    logits: jax.Array, token: jax.Array, picked_ids: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(logprob of token, top MAX_LOGPROBS logprobs, their ids, the logprobs of each row's
-    picked_ids) of the raw logits, per row: every value read from one log-softmax, so a
-    picked id's logprob has the bits the top ones give it. The picked ones are gathered
-    only when some row names ids; padding (-1) gives 0, so a row's values never depend on
-    its batch."""
-    logprobs = rowwise.log_softmax(logits)
-    top_lps, top_ids = top_logprobs(logprobs)
-    chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-    named = picked_ids >= 0
-    picked = lax.cond(
-        jnp.any(named[:, 0]),
-        lambda: jnp.where(
-            named, jnp.take_along_axis(logprobs, jnp.maximum(picked_ids, 0), axis=-1), 0.0
-        ),
-        lambda: jnp.zeros(picked_ids.shape, jnp.float32),
-    )
-    return chosen, top_lps, top_ids.astype(jnp.int32), picked
 
 
 def argmax(x: jax.Array, axis: int = 1) -> jax.Array:

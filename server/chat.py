@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.types import TokenLogprobs
 from server.backend import ModelLimits, TokenizerClient
+from server.beam_plan import beam_settings
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
 from server.generation import PromptDelta
@@ -161,6 +162,7 @@ def plan_chat(
     check_samples(1, request.n, config)
     tools = plan_tools(request, config)
     asked = requested(request, tools.output_schema if tools is not None else None)
+    beam = beam_settings(request, max_tokens, constrained=asked is not None)
     constraint = compile_constraint(asked, tokenizer, limits)
     sampling = sampling_params(request, top_n, max_tokens, limits, constraint)
     rendered = render_prompt(request, tokenizer, tools)
@@ -188,6 +190,7 @@ def plan_chat(
             logprobs=top_n,
             tools=tools,
             prompt_logprobs=top_prompt,
+            beam=beam,
         ),
         request,
     )

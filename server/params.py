@@ -26,6 +26,7 @@ from engine.types import (
     TokenLogprobs,
 )
 from server.backend import ModelLimits, TokenizerClient
+from server.beam_plan import BeamSettings, beam_settings
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
 from server.protocol import CompletionRequest, RequestModel, SamplingFields
@@ -69,6 +70,7 @@ class GenerationPlan:
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" tokens
     picks_ids: bool = False  # vLLM's logprob_token_ids: alternatives are those ids, all of them
+    beam: BeamSettings | None = None  # vLLM's use_beam_search: server.beam runs the search
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
 
     def alternatives(self, lp: TokenLogprobs) -> tuple[tuple[int, float], ...]:
@@ -427,7 +429,9 @@ def plan_completion(
     top_prompt = prompt_logprobs(request)
     if top_prompt is None and request.echo:
         top_prompt = request.logprobs
-    constraint = compile_constraint(requested(request), tokenizer, limits)
+    asked = requested(request)
+    beam = beam_settings(request, request.max_tokens, constrained=asked is not None)
+    constraint = compile_constraint(asked, tokenizer, limits)
     sampling = sampling_params(request, request.logprobs, request.max_tokens, limits, constraint)
     prompts = resolve_prompts(items, tokenizer, request, limits)
     stop = stop_strings(request, config)
@@ -454,6 +458,7 @@ def plan_completion(
             logprobs=request.logprobs,
             discard_output=request.max_tokens == 0,
             prompt_logprobs=top_prompt,
+            beam=beam,
         ),
         request,
     )

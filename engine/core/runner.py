@@ -31,9 +31,10 @@ from engine import rowwise
 from engine.attention import Attention, KVLayout
 from engine.config import ModelConfig
 from engine.core.plan import PromptLogprobs, RowWork, StepPlan, StepResult
+from engine.logprobs import top_logprobs
 from engine.model import Params
 from engine.paged_model import Chunk, StepBatch, forward, head_logits, make_batch
-from engine.sampling import Sampled, SamplingArrays, host_arrays, sample, top_logprobs
+from engine.sampling import Sampled, SamplingArrays, host_arrays, sample
 from engine.types import MAX_LOGPROBS, SamplingParams
 
 MODEL_AXIS = "model"
