@@ -20,6 +20,7 @@ endpoint's shaper, so completions and chat format beams as they format samples.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,16 +115,22 @@ async def complete(
         room = backend.limits.max_model_len - len(prompt.ids)
         steps = room if steps is None else min(steps, room)
         searches.append(BeamSearch(len(prompt.ids), settings, backend.eos_token_ids, steps))
-    await asyncio.gather(
-        *(
-            _run(runtime, backend, metrics, request.request_id, prompt, search)
-            for request, prompt, search in zip(plan.requests, plan.prompts, searches, strict=True)
-        )
-    )
+    tasks = [
+        asyncio.ensure_future(_run(runtime, backend, metrics, request.request_id, prompt, search))
+        for request, prompt, search in zip(plan.requests, plan.prompts, searches, strict=True)
+    ]
+    try:
+        await asyncio.gather(*tasks)
+    finally:  # one prompt's failure (or the client leaving) stops the others' searches
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
     completion_tokens = 0
     for index, (prompt, search) in enumerate(zip(plan.prompts, searches, strict=True)):
         for choice, beam in enumerate(search.best()):
-            delta = _delta(backend, settings, prompt, choice, beam)
+            delta = as_delta(backend, settings, prompt, choice, beam)
             shaper.apply(PromptDelta(index, delta))
             completion_tokens += len(delta.token_ids)
             log.finish_reasons.append(delta.finish_reason or "length")
@@ -175,7 +182,7 @@ async def _run(
         search.expand(got)
 
 
-def _delta(
+def as_delta(
     backend: Backend, settings: BeamSettings, prompt: PromptInput, index: int, beam: Beam
 ) -> Delta:
     """A beam as a sample's one and only delta."""

@@ -16,8 +16,9 @@ import openai
 import pytest
 
 from engine.types import TokenLogprobs
-from server.beam import BeamSearch
+from server.beam import BeamSearch, as_delta
 from server.beam_plan import BeamSettings
+from server.params import PromptInput
 from tests.server.harness import MODEL_NAME, LiveServer
 
 PROMPT = "The quick brown fox"
@@ -165,6 +166,22 @@ def test_ignore_eos_keeps_eos_as_a_token() -> None:
     search = BeamSearch(2, settings(ignore_eos=True), frozenset({EOS}), max_steps=1)
     search.expand([step((EOS, -0.1), (1, -0.2))])
     assert not search.done and [b.tokens for b in search.live] == [(EOS,), (1,)]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_an_eos_ended_choice_shows_eos_in_its_ids_only_when_asked(
+    live: LiveServer, include: bool
+) -> None:
+    backend = live.app.state.runtime.backend  # type: ignore[attr-defined]
+    search = BeamSearch(2, settings(include_stop_str_in_output=include), frozenset({EOS}), 2)
+    search.expand([step((5, -0.1), (6, -0.2))])
+    search.expand([step((EOS, -0.1), (7, -0.3)), step((8, -0.2))])
+    ended = next(b for b in search.best() if b.ended)
+    delta = as_delta(backend, search.settings, PromptInput((1, 2), ""), 0, ended)
+    assert delta.token_ids == ((5, EOS) if include else (5,))
+    assert delta.text == backend.tokenizer.decode([5])  # never the EOS token's text
+    assert (delta.finish_reason, delta.stop_reason) == ("stop", EOS)
+    assert delta.logprobs is not None and len(delta.logprobs) == len(delta.token_ids)
 
 
 def post(live: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:
