@@ -22,8 +22,8 @@ ask for a constraint and the rule that a request asks for at most one:
 
 JSON is compact (no free whitespace), so a model cannot pad its budget with blanks, and
 an object in a schema that does not set `additionalProperties` takes only the keys it
-lists (vLLM's and OpenAI's strict reading; `strict` false reads the same): GrammarSpec
-.json_schema applies that rule, once, to every schema from every field above.
+lists (vLLM's and OpenAI's strict reading; `strict` false reads the same):
+`GrammarSpec.json_schema` applies that rule, once, to every schema from every field above.
 """
 
 from __future__ import annotations
