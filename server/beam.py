@@ -1,7 +1,7 @@
 """Beam search through the API, as vLLM's frontend serves it: over ordinary engine requests.
 
-Runs on: the event loop (the search) and the tokenizer threads (`beam_settings`, while a
-request is planned). Owns: vLLM's beam search semantics. The engine stays unaware: each
+Runs on: the event loop. Owns: vLLM's beam search semantics (server.beam_plan reads the
+request's settings). The engine stays unaware: each
 step is one greedy request per live beam, its prompt the beam's tokens so far and
 `max_tokens` 1, asking for the 2 x width most likely next tokens (logprobs of the raw
 logits); the prefix cache serves every step's shared leading blocks. A beam's candidates
