@@ -371,10 +371,12 @@ class EngineClient:
                 timings.prefill_end = timings.first_token = now
         text = open_.texts[out.index]
         step = text.add(out.token, last=out.finish == "length", done=out.done)
-        k = open_.samplings[out.index].logprobs
+        sampling = open_.samplings[out.index]
+        k = sampling.logprobs
         logprobs = None
-        if k is not None:
-            logprobs = (TokenLogprobs(out.token, out.logprob, out.top[:k]),)
+        if k is not None:  # the top k, or every one of the logprob_token_ids asked
+            top = out.top if sampling.logprob_token_ids else out.top[:k]
+            logprobs = (TokenLogprobs(out.token, out.logprob, top),)
         prompt = None
         if out.prompt_logprobs is not None:
             prompt = tuple(

@@ -1,7 +1,8 @@
 """On-device sampling for a batch of rows, each with its own parameters and key.
 
 Owns: penalties, min_tokens, logit bias, the allowed-token bitmask, greedy /
-temperature / top-k / top-p in one pass, and the logprobs of the raw logits.
+temperature / top-k / top-p in one pass, and when each row's logprobs of the raw
+logits are computed (engine.logprobs computes them).
 Every row is computed independently of the others and the random draw is
 always made over the full vocabulary in token order, so a seeded row samples
 the same token whatever shares its batch.
@@ -18,8 +19,15 @@ import numpy as np
 from jax import lax
 
 from engine import rowwise
+from engine.logprobs import raw_logprobs
 from engine.token_mask import token_bitmask
-from engine.types import INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from engine.types import (
+    INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_LOGPROBS,
+    SamplingParams,
+)
 
 CANDIDATES = 64  # top-k / top-p thresholds within this many best tokens avoid a bisection
 
@@ -39,6 +47,7 @@ class SamplingArrays(NamedTuple):
     bias_values: jax.Array  # (MAX_LOGIT_BIAS,) float32; padding 0
     allowed: jax.Array  # (mask_words(vocab),) int32 allowed-token bitmask; all ones: every token
     masked: jax.Array  # bool: the bitmask restricts this row
+    picked_ids: jax.Array  # (MAX_LOGPROB_TOKEN_IDS,) int32: logprob_token_ids; padding -1
 
 
 def allowed_words(sampling: SamplingParams, vocab_size: int) -> np.ndarray:
@@ -60,6 +69,7 @@ class Sampled(NamedTuple):
     logprob: jax.Array  # (B,) float32
     top_ids: jax.Array  # (B, MAX_LOGPROBS) int32
     top_logprobs: jax.Array  # (B, MAX_LOGPROBS) float32
+    picked_logprobs: jax.Array  # (B, MAX_LOGPROB_TOKEN_IDS) float32: of each row's picked_ids
 
 
 def seed_key(seed: int) -> np.ndarray:
@@ -77,6 +87,9 @@ def host_arrays(sampling: SamplingParams, vocab_size: int) -> SamplingArrays:
     bias_values = np.zeros((MAX_LOGIT_BIAS,), np.float32)
     for i, (token, bias) in enumerate(sampling.logit_bias):
         bias_ids[i], bias_values[i] = token, bias
+    picked_ids = np.full((MAX_LOGPROB_TOKEN_IDS,), -1, np.int32)
+    picked = sampling.logprob_token_ids or ()
+    picked_ids[: len(picked)] = picked
     host: dict[str, Any] = {  # numpy values: jit takes them where it takes device arrays
         "temperature": np.float32(sampling.temperature),
         "top_k": np.int32(max(sampling.top_k, 0)),
@@ -92,16 +105,9 @@ def host_arrays(sampling: SamplingParams, vocab_size: int) -> SamplingArrays:
         "masked": np.bool_(
             sampling.allowed_token_ids is not None or sampling.constraint is not None
         ),
+        "picked_ids": picked_ids,
     }
     return SamplingArrays(**host)
-
-
-def top_logprobs(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The MAX_LOGPROBS best (logprob, id) per row, padded with -inf if the vocab is smaller."""
-    k = min(MAX_LOGPROBS, logprobs.shape[-1])
-    values, ids = lax.top_k(logprobs, k)
-    pad = ((0, 0), (0, MAX_LOGPROBS - k))
-    return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids, pad)
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -320,6 +326,7 @@ def _greedy_tokens(tokens: jax.Array) -> Sampled:
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
         jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
+        jnp.zeros((rows, MAX_LOGPROB_TOKEN_IDS), jnp.float32),
     )
 
 
@@ -359,18 +366,20 @@ def _sample_any(
     )
     token = jnp.where(sampling, drawn, greedy)
     rows = logits.shape[0]
-    logprob, top_lps, top_ids = lax.cond(
+    logprob, top_lps, top_ids, picked = lax.cond(
         jnp.any(params.logprobs),
-        _logprobs,
+        raw_logprobs,
         lambda *_: (
             jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
             jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((rows, MAX_LOGPROB_TOKEN_IDS), jnp.float32),
         ),
         logits,
         token,
+        params.picked_ids,
     )
-    return Sampled(token, logprob, top_ids, top_lps)
+    return Sampled(token, logprob, top_ids, top_lps, picked)
 
 
 def penalized(params: SamplingArrays) -> jax.Array:
@@ -420,14 +429,6 @@ def _adjust(
     )
     hold_eos = (generated < params.min_tokens)[:, None] & eos_mask[None, :]
     return jnp.where(hold_eos, -jnp.inf, adjusted)
-
-
-def _logprobs(logits: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(logprob of token, top MAX_LOGPROBS logprobs, their ids) of the raw logits, per row."""
-    logprobs = rowwise.log_softmax(logits)
-    top_lps, top_ids = top_logprobs(logprobs)
-    chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-    return chosen, top_lps, top_ids.astype(jnp.int32)
 
 
 def argmax(x: jax.Array, axis: int = 1) -> jax.Array:

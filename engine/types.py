@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's limit on logprob_token_ids; the device arrays hold this many
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit); the device arrays hold this many
@@ -135,7 +136,9 @@ class SamplingParams:
     so a seeded sample is independent of its batch.
     `logprobs` None returns none; N in 0..20 returns the chosen token's
     logprob and the N most likely alternatives (of the raw, unscaled logits,
-    as vLLM does).
+    as vLLM does). `logprob_token_ids` (vLLM's; with logprobs set, 1 to 128 ids)
+    returns, instead of the N most likely, the logprobs of exactly these ids, from
+    the same logits.
     `logit_bias` ((token id, bias) pairs, ids distinct) is added to the logits
     of every sampled position; `allowed_token_ids` (None: every token) restricts
     sampling to those ids. Both shape only what is sampled: logprobs stay those
@@ -157,6 +160,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     constraint: TokenConstraint | None = field(default=None, compare=False)
+    logprob_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """Every value must be one the device arrays hold exactly (float32, int32, 64-bit key)."""
@@ -179,6 +183,29 @@ class SamplingParams:
         self._check_logit_bias()
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise SamplingError("allowed_token_ids must not be empty", "allowed_token_ids")
+        self._check_logprob_token_ids()
+
+    def _check_logprob_token_ids(self) -> None:
+        """vLLM's rules: a non-empty list of at most MAX_LOGPROB_TOKEN_IDS, and logprobs set."""
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not ids:
+            raise SamplingError(
+                "`logprob_token_ids` must not be an empty list.", "logprob_token_ids"
+            )
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise SamplingError(
+                f"Requested logprob_token_ids of length {len(ids)}, which is greater than max "
+                f"allowed: {MAX_LOGPROB_TOKEN_IDS}",
+                "logprob_token_ids",
+            )
+        if self.logprobs is None:
+            raise SamplingError(
+                "when using `logprob_token_ids`, `logprobs` must be set (completions: "
+                "logprobs; chat: logprobs true).",
+                "logprob_token_ids",
+            )
 
     def _check_logit_bias(self) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -198,7 +225,8 @@ class SamplingParams:
                 )
 
     def check_vocab(self, vocab_size: int) -> None:
-        """SamplingError when logit_bias or allowed_token_ids names an id outside the vocabulary.
+        """SamplingError when logit_bias, allowed_token_ids or logprob_token_ids names an id
+        outside the vocabulary.
 
         The one owner of this rule: the server asks it for a 400, the engine before
         building the device arrays.
@@ -206,6 +234,7 @@ class SamplingParams:
         named = (
             ("logit_bias", [token for token, _ in self.logit_bias]),
             ("allowed_token_ids", list(self.allowed_token_ids or ())),
+            ("logprob_token_ids", list(self.logprob_token_ids or ())),
         )
         for param, ids in named:
             bad = [token for token in ids if not 0 <= token < vocab_size]
@@ -219,7 +248,8 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Host-side logprob data of one position: the chosen token and its alternatives."""
+    """Host-side logprob data of one position: the chosen token and its alternatives (the
+    most likely, best first; or with logprob_token_ids, those ids in the order asked)."""
 
     token_id: int
     logprob: float

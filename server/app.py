@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator import Instrumentator
 from pydantic import BaseModel, ValidationError
 
-from server import chat, completions, responses, tokenizing
+from server import beam, chat, completions, responses, tokenizing
 from server.backend import Backend
 from server.config import ServerConfig
 from server.errors import APIError, bad_request, install_error_handlers, validation_error
@@ -198,6 +198,9 @@ def _add_routes(
     async def respond(
         request: Request, backend: Backend, plan: GenerationPlan, shaper: Shaper
     ) -> Response:
+        if plan.beam is not None:  # vLLM's beam search: steps of ordinary requests, whole
+            work = beam.complete(runtime, backend, plan, metrics, log_of(request), shaper)
+            return JSONResponse(await until_disconnect(request, work))
         generation = Generation(runtime, backend, plan, metrics, log_of(request))
         if plan.stream:
             return sse_response(

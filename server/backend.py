@@ -80,3 +80,4 @@ class Backend:
     tokenizer: TokenizerClient
     engine: EngineHandle
     limits: ModelLimits
+    eos_token_ids: frozenset[int] = frozenset()  # the tokens the engine ends a sample on

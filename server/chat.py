@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.types import TokenLogprobs
 from server.backend import ModelLimits, TokenizerClient
+from server.beam_plan import beam_settings
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
 from server.generation import PromptDelta
@@ -161,6 +162,7 @@ def plan_chat(
     check_samples(1, request.n, config)
     tools = plan_tools(request, config)
     asked = requested(request, tools.output_schema if tools is not None else None)
+    beam = beam_settings(request, max_tokens, constrained=asked is not None)
     constraint = compile_constraint(asked, tokenizer, limits)
     sampling = sampling_params(request, top_n, max_tokens, limits, constraint)
     rendered = render_prompt(request, tokenizer, tools)
@@ -188,6 +190,7 @@ def plan_chat(
             logprobs=top_n,
             tools=tools,
             prompt_logprobs=top_prompt,
+            beam=beam,
         ),
         request,
     )
@@ -251,15 +254,17 @@ def chat_logprobs(
     tokenizer: TokenizerClient,
     token_ids: tuple[int, ...],
     lps: tuple[TokenLogprobs, ...],
-    top_n: int,
+    plan: GenerationPlan,
     name: Callable[[int], str] | None = None,
 ) -> list[dict[str, Any]]:
-    """OpenAI's logprobs content; `name` gives a token's `token` (default: its text)."""
+    """OpenAI's logprobs content, each position's alternatives as `plan` lists them;
+    `name` gives a token's `token` (default: its text)."""
     name = name or tokenizer.token_text
     content = []
     for token_id, lp in zip(token_ids, lps, strict=True):
         entry = _entry(tokenizer, name, token_id, lp.logprob)
-        entry["top_logprobs"] = [_entry(tokenizer, name, t, v) for t, v in lp.top[:top_n]]
+        top = plan.alternatives(lp)
+        entry["top_logprobs"] = [_entry(tokenizer, name, t, v) for t, v in top]
         content.append(entry)
     return content
 
@@ -347,7 +352,7 @@ class ChatShaper(ResponseShaper):
         new_logprobs = None
         if self.plan.logprobs is not None and delta.logprobs is not None:
             new_logprobs = chat_logprobs(
-                self.tokenizer, delta.token_ids, delta.logprobs, self.plan.logprobs, self.token_text
+                self.tokenizer, delta.token_ids, delta.logprobs, self.plan, self.token_text
             )
             choice.logprobs = (choice.logprobs or []) + new_logprobs
         elif self.plan.logprobs is not None and choice.logprobs is None:

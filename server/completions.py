@@ -13,7 +13,7 @@ first chunk of the choice) and `token_ids` (each chunk's own).
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,11 +39,12 @@ class CompletionLogprobs:
         name: Callable[[int], str],
         token_id: int,
         lp: TokenLogprobs | None,
-        top_n: int,
+        top: Sequence[tuple[int, float]],
         offset: int,
     ) -> None:
-        """Append one token that starts at character `offset` of the choice's text;
-        `name` gives a token's name in the object (its text, or "token_id:N")."""
+        """Append one token that starts at character `offset` of the choice's text, with
+        its alternatives `top`; `name` gives a token's name in the object (its text, or
+        "token_id:N")."""
         text = name(token_id)
         self.tokens.append(text)
         self.text_offset.append(offset)
@@ -52,10 +53,10 @@ class CompletionLogprobs:
             self.top_logprobs.append(None)
         else:
             self.token_logprobs.append(finite(lp.logprob))
-            top = {text: finite(lp.logprob)}  # the token first, then the top n (vLLM's order)
-            for t, v in lp.top[:top_n]:
-                top.setdefault(name(t), finite(v))
-            self.top_logprobs.append(top)
+            named = {text: finite(lp.logprob)}  # the token first, then the others (vLLM's)
+            for t, v in top:
+                named.setdefault(name(t), finite(v))
+            self.top_logprobs.append(named)
 
     def extend(self, other: CompletionLogprobs) -> None:
         self.tokens.extend(other.tokens)
@@ -144,7 +145,8 @@ class CompletionShaper(ResponseShaper):
             if piece is not None and delta.logprobs is not None and choice.offsets is not None:
                 for token_id, lp in zip(delta.token_ids, delta.logprobs, strict=True):
                     offset = choice.offsets.next(token_id)
-                    piece.add(self.token_text, token_id, lp, self.plan.logprobs or 0, offset)
+                    top = self.plan.alternatives(lp)
+                    piece.add(self.token_text, token_id, lp, top, offset)
             new_text += delta.text
             new_ids = delta.token_ids
             choice.token_ids += new_ids
@@ -181,7 +183,8 @@ class CompletionShaper(ResponseShaper):
         offsets = TextOffsets(self.tokenizer, specials=choice.prompt.specials_shown)
         top_n = self.plan.logprobs or 0
         for token_id, lp in zip(choice.prompt.ids, entries, strict=False):
-            piece.add(self.token_text, token_id, lp, top_n, offsets.next(token_id))
+            top = lp.top[:top_n] if lp is not None else ()
+            piece.add(self.token_text, token_id, lp, top, offsets.next(token_id))
 
     def choices(self) -> list[dict[str, Any]]:
         """Each choice, with vLLM's extra fields null unless asked (as vLLM's bodies)."""

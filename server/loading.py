@@ -102,4 +102,4 @@ def load_backend(config: ServerConfig) -> Backend:
     tokenizer = Tokenizer.from_folder(path, chat_template=template)
     eos = tokenizer.eos_token_ids | frozenset(load_model_config(path).eos_token_ids)
     client = load_core(config, text_streams(tokenizer.detokenizer, eos), eos)
-    return Backend(tokenizer=tokenizer, engine=client, limits=client.limits)
+    return Backend(tokenizer=tokenizer, engine=client, limits=client.limits, eos_token_ids=eos)

@@ -18,8 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from engine.request import ActiveRequest
-from engine.types import MAX_LOGPROBS, PromptTooLongError, SamplingParams, TokenConstraint
+from engine.types import (
+    MAX_LOGPROBS,
+    PromptTooLongError,
+    SamplingParams,
+    TokenConstraint,
+    TokenLogprobs,
+)
 from server.backend import ModelLimits, TokenizerClient
+from server.beam_plan import BeamSettings, beam_settings
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
 from server.protocol import CompletionRequest, RequestModel, SamplingFields
@@ -62,7 +69,20 @@ class GenerationPlan:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top-k per prompt position
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids in the reply
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" tokens
+    picks_ids: bool = False  # vLLM's logprob_token_ids: alternatives are those ids, all of them
+    beam: BeamSettings | None = None  # vLLM's use_beam_search: server.beam runs the search
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
+
+    def alternatives(self, lp: TokenLogprobs) -> tuple[tuple[int, float], ...]:
+        """A generated position's alternatives as its logprobs list them: the top
+        `logprobs`, or with logprob_token_ids the sampled token then each id asked, once
+        each, whatever `logprobs` says (vLLM's)."""
+        if not self.picks_ids:
+            return lp.top[: self.logprobs or 0]
+        seen: dict[int, float] = {lp.token_id: lp.logprob}
+        for token, logprob in lp.top:
+            seen.setdefault(token, logprob)
+        return tuple(seen.items())
 
 
 def prompt_items(request: CompletionRequest, config: ServerConfig) -> list[str | list[int]]:
@@ -299,6 +319,9 @@ def sampling_params(
         )
     if request.allowed_token_ids:
         check_vocab("allowed_token_ids", request.allowed_token_ids, limits.vocab_size)
+    picked = request.logprob_token_ids
+    if picked:
+        check_vocab("logprob_token_ids", picked, limits.vocab_size)
     bias = logit_bias(request, limits.vocab_size)
     try:
         sampling = SamplingParams(
@@ -315,6 +338,7 @@ def sampling_params(
                 None if request.allowed_token_ids is None else tuple(request.allowed_token_ids)
             ),
             constraint=constraint,
+            logprob_token_ids=None if picked is None else tuple(picked),
         )
         sampling.check_vocab(limits.vocab_size)
     except ValueError as exc:  # SamplingError names its field
@@ -393,13 +417,21 @@ def plan_completion(
         )
     if request.max_tokens == 0 and request.stream:
         raise bad_request("max_tokens must be >= 1 when streaming", param="max_tokens")
+    if request.logprob_token_ids and request.echo and request.max_tokens == 0:
+        raise bad_request(
+            "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
+            "no output tokens are generated.",
+            param="logprob_token_ids",
+        )
     items = prompt_items(request, config)
     check_samples(len(items), request.n, config)
     # vLLM's: echo with logprobs asks for the prompt's logprobs, as many alternatives
     top_prompt = prompt_logprobs(request)
     if top_prompt is None and request.echo:
         top_prompt = request.logprobs
-    constraint = compile_constraint(requested(request), tokenizer, limits)
+    asked = requested(request)
+    beam = beam_settings(request, request.max_tokens, constrained=asked is not None)
+    constraint = compile_constraint(asked, tokenizer, limits)
     sampling = sampling_params(request, request.logprobs, request.max_tokens, limits, constraint)
     prompts = resolve_prompts(items, tokenizer, request, limits)
     stop = stop_strings(request, config)
@@ -426,6 +458,7 @@ def plan_completion(
             logprobs=request.logprobs,
             discard_output=request.max_tokens == 0,
             prompt_logprobs=top_prompt,
+            beam=beam,
         ),
         request,
     )
@@ -434,7 +467,7 @@ def plan_completion(
 def with_extensions(plan: GenerationPlan, request: SamplingFields) -> GenerationPlan:
     """The plan with what the request asks of the response's shape: usage in the stream
     (OpenAI's include_usage, vLLM's continuous_usage_stats with it, as vLLM reads them),
-    vLLM's token ids and "token_id:N" tokens."""
+    vLLM's token ids, "token_id:N" tokens and logprob_token_ids' alternatives."""
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
     return replace(
@@ -443,4 +476,5 @@ def with_extensions(plan: GenerationPlan, request: SamplingFields) -> Generation
         continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
         return_token_ids=bool(request.return_token_ids),
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
+        picks_ids=bool(request.logprob_token_ids),
     )

@@ -115,17 +115,21 @@ class SamplingFields(RequestModel):
     # vLLM's: prompt logprobs (k alternatives, <= MAX_LOGPROBS; params), token ids in the
     # choices, "token_id:N" for tokens in logprobs, and prompt truncation to N tokens
     prompt_logprobs: StrictInt | None = None
+    # vLLM's: these ids' logprobs at each generated position instead of the most likely
+    # ones (with logprobs set; 1 to 128 ids in the vocabulary: engine.types' rules)
+    logprob_token_ids: list[StrictInt] | None = None
     return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # -1: the context
     truncation_side: Literal["left", "right"] | None = None  # None: left (keep the last N)
+    # vLLM's beam search (server.beam_plan): n beams; length_penalty and early_stopping
+    use_beam_search: StrictBool = False
     length_penalty: StrictFloat | None = _float()  # vLLM reads it in beam search alone
+    early_stopping: StrictBool = False
     priority: StrictInt = 0  # vLLM's; 0 (its default scheduling) is all there is here
     # known but unsupported: rejected when they would change the output
     repetition_penalty: StrictFloat | None = _float()
     min_p: StrictFloat | None = _float()
-    use_beam_search: StrictBool = False
-    logprob_token_ids: list[StrictInt] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     bad_words: list[StrictStr] | None = None
 
@@ -135,13 +139,6 @@ class SamplingFields(RequestModel):
             return "repetition_penalty", "repetition_penalty is not supported"
         if self.min_p not in (None, 0.0):
             return "min_p", "min_p is not supported"
-        if self.use_beam_search:
-            return "use_beam_search", "use_beam_search is not supported (beam search)"
-        if self.logprob_token_ids:
-            return (
-                "logprob_token_ids",
-                "logprob_token_ids is not supported: use logprobs / top_logprobs",
-            )
         if self.kv_transfer_params is not None:
             return (
                 "kv_transfer_params",

@@ -20,7 +20,10 @@ ask for a constraint and the rule that a request asks for at most one:
 - the Responses API's `text.format`: `{"type": "json_object"}` or `{"type":
   "json_schema", "name", "schema", "strict"}` (flat; enforced either way).
 
-JSON is compact (no free whitespace), so a model cannot pad its budget with blanks.
+JSON is compact (no free whitespace), so a model cannot pad its budget with blanks, and
+an object in a schema that does not set `additionalProperties` takes only the keys it
+lists (vLLM's and OpenAI's strict reading; `strict` false reads the same):
+`GrammarSpec.json_schema` applies that rule, once, to every schema from every field above.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ LEGACY_FIELDS = {
     "guided_grammar": "grammar",
 }
 UNSUPPORTED_KEYS = ("structural_tag", "whitespace_pattern")
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# json_object: any object, so it says it is open (objects that do not are closed)
+ANY_OBJECT: dict[str, Any] = {"type": "object", "additionalProperties": True}
 
 
 def requested(

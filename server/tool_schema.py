@@ -7,9 +7,8 @@ named function's parameters, or for "required" a non-empty list of calls, each e
 closing `]` ends the grammar, and with it the output.
 
 Every object in a function's parameters that does not say otherwise takes only the
-keys it lists (`_closed`), as vLLM's default grammar backend (xgrammar, in its strict
-mode) reads a schema; llguidance follows JSON Schema, where an open object takes any
-further key, and a random or confused model spells one key's name until max_tokens.
+keys it lists, as in every JSON schema a request gives: tokenization.json_schema closes
+them when the schema becomes a GrammarSpec.
 """
 
 from __future__ import annotations
@@ -22,16 +21,6 @@ from server.errors import bad_request
 from server.protocol import ChatTool, NamedToolChoice
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_VALUES = ("items", "additionalProperties", "additionalItems", "contains")
-_OPEN_BY_CHOICE = (
-    "additionalProperties",
-    "unevaluatedProperties",
-    "$ref",
-    "allOf",
-    "anyOf",
-    "oneOf",
-)
 
 
 def tool_choice_schema(
@@ -41,7 +30,7 @@ def tool_choice_schema(
 
     vLLM's: a named function's parameters, or for "required" a non-empty list of
     `{"name", "parameters"}` objects over the tools, with their `$defs` hoisted to the
-    top; parameters closed (`_closed`).
+    top.
     """
     if isinstance(choice, NamedToolChoice):
         chosen = [tool for tool in tools if tool.function.name == choice.function.name]
@@ -78,36 +67,6 @@ def tool_choice_schema(
 
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
-    """A closed copy of the function's parameter schema; `{}` when it has none."""
-    return _closed(copy.deepcopy(tool.function.parameters or _EMPTY_PARAMETERS))
-
-
-def _closed(schema: Any, partial: bool = False) -> Any:
-    """`schema` with each object that does not say otherwise closed to the keys it lists
-    (`additionalProperties: false`), changed in place. `partial`: `schema` is a part that
-    others complete (an allOf member, or an anyOf branch beside its object's own
-    properties), so it is not closed itself. An object that combines schemas ($ref,
-    allOf, anyOf, oneOf) stays open and its parts are closed; `not` and `if` stay as
-    given (closing them would change what they allow).
-    """
-    if not isinstance(schema, dict):
-        return schema
-    own_keys = "properties" in schema or "patternProperties" in schema
-    for key in _SCHEMA_MAPS:
-        value = schema.get(key)
-        for sub in value.values() if isinstance(value, dict) else ():
-            _closed(sub)
-    for key in _SCHEMA_VALUES:
-        _closed(schema.get(key))
-    parts = (("prefixItems", False), ("anyOf", own_keys), ("oneOf", own_keys), ("allOf", True))
-    for key, partial_part in parts:
-        value = schema.get(key)
-        for sub in value if isinstance(value, list) else ():
-            _closed(sub, partial=partial_part)
-    for key in ("then", "else"):
-        _closed(schema.get(key), partial=True)
-    kind = schema.get("type")
-    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
-    if (is_object or own_keys) and not partial and not any(k in schema for k in _OPEN_BY_CHOICE):
-        schema["additionalProperties"] = False
-    return schema
+    """A copy of the function's parameter schema (its `$defs` are hoisted from it); an
+    empty object when it has none."""
+    return copy.deepcopy(tool.function.parameters or _EMPTY_PARAMETERS)

@@ -14,8 +14,10 @@ faster per token (~5 us vs ~50-80 us), both far below a decode step.
 
 Masks use the engine's layout: token t is bit t % 32 of int32 word t // 32, over the
 model's vocabulary (which may be larger than the tokenizer's: the extra ids are never
-allowed). JSON grammars allow no free whitespace (compact separators), so a model
-cannot fill its budget with blanks: the output of a small schema ends.
+allowed). JSON grammars allow no free whitespace (compact separators), and an object
+takes only the keys it lists unless it says otherwise (tokenization.json_schema), so a
+model can neither fill its budget with blanks nor with invented keys: the output of a
+small schema ends.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any, Literal
 import llguidance
 import llguidance.hf
 import numpy as np
+
+from tokenization.json_schema import closed
 
 GrammarKind = Literal["json", "regex", "choice", "grammar"]
 KINDS: tuple[GrammarKind, ...] = ("json", "regex", "choice", "grammar")
@@ -63,8 +67,9 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: Any) -> GrammarSpec:
-        """A JSON schema (a dict, or True for any JSON object's `json_object`)."""
-        return cls("json", json.dumps(schema, separators=(",", ":")))
+        """A JSON schema (a dict, or a bool), its objects closed to the keys they list
+        unless they say otherwise (tokenization.json_schema: vLLM's reading)."""
+        return cls("json", json.dumps(closed(schema), separators=(",", ":")))
 
     @classmethod
     def choice(cls, options: list[str]) -> GrammarSpec:

@@ -29,6 +29,7 @@ class Sample(msgspec.Struct, frozen=True):
     min_tokens: int
     logit_bias: tuple[tuple[int, float], ...]
     allowed_token_ids: tuple[int, ...] | None
+    logprob_token_ids: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, sampling: SamplingParams) -> Sample:
@@ -45,6 +46,7 @@ class Sample(msgspec.Struct, frozen=True):
             min_tokens=sampling.min_tokens,
             logit_bias=sampling.logit_bias,
             allowed_token_ids=sampling.allowed_token_ids,
+            logprob_token_ids=sampling.logprob_token_ids,
         )
 
     def params(self) -> SamplingParams:
@@ -59,6 +61,7 @@ class Sample(msgspec.Struct, frozen=True):
             min_tokens=self.min_tokens,
             logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
+            logprob_token_ids=self.logprob_token_ids,
         )
 
 

@@ -93,6 +93,20 @@ class StepResult:
     starts: tuple[int, ...] = ()  # each row's first token in the step
     sample_rows: tuple[int, ...] = ()  # each row's first sampled row (past a row's drafts)
     prompt: PromptLogprobs | None = None  # when some row asked for prompt logprobs
+    # (rows, MAX_LOGPROB_TOKEN_IDS) float32: the logprobs of each row's logprob_token_ids
+    picked_logprobs: np.ndarray | None = None
+
+    def alternatives(self, at: int, sampling: SamplingParams) -> tuple[tuple[int, float], ...]:
+        """Sample row `at`'s alternatives as (id, logprob): the best first, or with
+        logprob_token_ids (vLLM's) those ids in the order asked; none without logprobs."""
+        picked = sampling.logprob_token_ids
+        if picked and self.picked_logprobs is not None:
+            values = self.picked_logprobs[at, : len(picked)]
+            return tuple((t, float(p)) for t, p in zip(picked, values, strict=True))
+        if sampling.logprobs is None:
+            return ()
+        pairs = zip(self.top_ids[at], self.top_logprobs[at], strict=True)
+        return tuple((int(t), float(p)) for t, p in pairs)
 
     def prompt_entries(self, row: int, work: RowWork) -> list[TokenLogprobs | None]:
         """Row `row`'s prompt logprobs: one entry per position whose next token is the

@@ -31,9 +31,10 @@ from engine import rowwise
 from engine.attention import Attention, KVLayout
 from engine.config import ModelConfig
 from engine.core.plan import PromptLogprobs, RowWork, StepPlan, StepResult
+from engine.logprobs import top_logprobs
 from engine.model import Params
 from engine.paged_model import Chunk, StepBatch, forward, head_logits, make_batch
-from engine.sampling import Sampled, SamplingArrays, host_arrays, sample, top_logprobs
+from engine.sampling import Sampled, SamplingArrays, host_arrays, sample
 from engine.types import MAX_LOGPROBS, SamplingParams
 
 MODEL_AXIS = "model"
@@ -424,24 +425,27 @@ class Runner:
         """Wait for a launched step and copy what the plan's rows need to the host."""
         real = plan.sample_rows
         sampled = launched.sampled
-        if any(r.sampling.logprobs is not None for r in plan.rows):
-            host = [np.asarray(a)[:real] for a in jax.device_get(tuple(sampled))]
-        else:  # the logprob fields are zeros (engine.sampling): only the tokens cross
-            host = [np.asarray(sampled.token)[:real]]
-            host += [np.zeros((real, *a.shape[1:]), a.dtype) for a in sampled[1:]]
+        logprobs = any(r.sampling.logprobs is not None for r in plan.rows)
+        picking = any(r.sampling.logprob_token_ids for r in plan.rows)  # implies logprobs
+        fields = sampled[:5] if picking else sampled[: 4 if logprobs else 1]
+        host = [np.asarray(a)[:real] for a in jax.device_get(fields)]
+        # fields no row asked for are zeros (engine.sampling): only the tokens cross
+        host += [np.zeros((real, *a.shape[1:]), a.dtype) for a in sampled[len(host) : 4]]
+        picked_logprobs = host[4] if picking else None  # read by the rows naming ids alone
         prompt = None
         if launched.prompt is not None:
             prompt = PromptLogprobs(*(np.asarray(a) for a in launched.prompt))
         starts, sample_rows = plan.offsets()
-        tokens, logprobs, top_ids, top_logprobs = host
+        tokens, chosen, top_ids, top_logprobs = host[:4]
         return StepResult(
             tokens=tokens,
-            logprobs=logprobs,
+            logprobs=chosen,
             top_ids=top_ids,
             top_logprobs=top_logprobs,
             starts=starts,
             sample_rows=sample_rows,
             prompt=prompt,
+            picked_logprobs=picked_logprobs,
         )
 
     def _stacked(self, per_row: list[SamplingArrays]) -> SamplingArrays:

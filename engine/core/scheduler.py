@@ -270,10 +270,7 @@ class Scheduler:
         seq.append(token)
         done, error = advance_grammar(seq, token, self._base(seq))
         reason = "stop" if done or error is not None else self._finish_reason(seq, token)
-        top: tuple[tuple[int, float], ...] = ()
-        if seq.sampling.logprobs is not None:
-            pairs = zip(result.top_ids[at], result.top_logprobs[at], strict=True)
-            top = tuple((int(t), float(p)) for t, p in pairs)
+        top = result.alternatives(at, seq.sampling)
         prompt = None
         if first and seq.prompt_logprobs is not None:
             prompt = (None, *seq.prompt_entries)

@@ -30,6 +30,8 @@ def batch(rows: int, vocab: int = VOCAB, **values) -> SamplingArrays:
             seed=0,
             logit_bias=values.get("logit_bias", ()),
             allowed_token_ids=values.get("allowed_token_ids"),
+            logprobs=0 if values.get("logprob_token_ids") else None,
+            logprob_token_ids=values.get("logprob_token_ids"),
         ),
         vocab,
     )
@@ -47,6 +49,7 @@ def batch(rows: int, vocab: int = VOCAB, **values) -> SamplingArrays:
         bias_values=tile(bias.bias_values),
         allowed=tile(bias.allowed),
         masked=tile(bias.masked),
+        picked_ids=tile(bias.picked_ids),
     )
 
 
@@ -218,6 +221,7 @@ def test_a_row_samples_the_same_alone_and_in_every_batch_path(special):
         dict(temperature=0.7, top_k=5, top_p=0.8, seed=12),
         dict(temperature=0.0, frequency_penalty=3.0),
         dict(temperature=0.0, min_tokens=2),
+        dict(temperature=0.5, seed=13, logprobs=True, logprob_token_ids=(5, 0, 599, 5)),
     ]
     per_row = [
         kinds[i % len(kinds)] if i in special else dict(temperature=0.0) for i in range(rows)
@@ -240,6 +244,7 @@ def test_a_row_samples_the_same_alone_and_in_every_batch_path(special):
         if per_row[i].get("logprobs"):
             np.testing.assert_array_equal(together.logprob[i], alone.logprob[0])
             np.testing.assert_array_equal(together.top_ids[i], alone.top_ids[0])
+            np.testing.assert_array_equal(together.picked_logprobs[i], alone.picked_logprobs[0])
     vocab_major = jax.device_get(
         run_vocab_major(logits.T, stacked, index, counts, generated, eos)
     )  # a decode step's layout (engine.model.step_logits): the same, bit for bit
@@ -400,6 +405,49 @@ def test_rows_without_bias_or_mask_sample_as_they_do_alone():
         np.testing.assert_array_equal(together.token[:2], alone.token[:2])
         assert together.token[2:4].tolist() == [3, 3]
         assert set(together.token[4:].tolist()) <= {1, 2}
+
+
+def test_picked_ids_logprobs_have_the_bits_of_the_top_ones(logits):
+    """vLLM's logprob_token_ids: a row's named ids get their logprobs of the raw logits, the
+    same bits the top logprobs give the same ids (one log-softmax), in the order named;
+    a row that names none gets zeros beside it, and tokens do not change."""
+    raw = logits - logits.max()
+    raw = raw - np.log(np.exp(raw).sum())
+    best = [int(t) for t in np.argsort(-raw)[:3]]
+    named = (best[2], 31, best[0], 0)
+    rows = 4
+    tiled = jnp.tile(jnp.asarray(logits), (rows, 1))
+    args = (
+        jnp.arange(rows, dtype=jnp.int32),
+        jnp.zeros((rows, VOCAB), jnp.int32),
+        jnp.zeros((rows,), jnp.int32),
+        np.zeros((VOCAB,), bool),
+    )
+    picking = batch(rows, temperature=0.8, seed=3, logprob_token_ids=named)
+    plain = batch(rows, temperature=0.8, seed=3)
+    mixed = jax.tree.map(lambda a, b: jnp.concatenate([a[:2], b[2:]]), picking, plain)
+    out = jax.device_get(run(tiled, mixed, *args))
+    top = dict(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist(), strict=True))
+    picked = out.picked_logprobs[0, : len(named)]
+    assert [picked[0], picked[2]] == [top[best[2]], top[best[0]]]  # bit for bit
+    np.testing.assert_allclose(picked, raw[list(named)], atol=1e-5)
+    np.testing.assert_array_equal(out.picked_logprobs[1], out.picked_logprobs[0])
+    assert not np.any(out.picked_logprobs[2:])
+    np.testing.assert_array_equal(out.token, jax.device_get(run(tiled, plain, *args)).token)
+
+
+def test_sampling_params_bound_logprob_token_ids():
+    with pytest.raises(ValueError, match="empty") as info:
+        SamplingParams(logprobs=0, logprob_token_ids=())
+    assert info.value.param == "logprob_token_ids"
+    with pytest.raises(ValueError, match="greater than max allowed: 128"):
+        SamplingParams(logprobs=0, logprob_token_ids=tuple(range(129)))
+    with pytest.raises(ValueError, match="`logprobs` must be set"):
+        SamplingParams(logprob_token_ids=(1,))
+    SamplingParams(logprobs=5, logprob_token_ids=tuple(range(128)))  # the most served
+    with pytest.raises(ValueError, match="outside the vocabulary") as info:
+        SamplingParams(logprobs=0, logprob_token_ids=(3, 32)).check_vocab(32)
+    assert info.value.param == "logprob_token_ids"
 
 
 def test_sampling_params_bound_the_new_fields():

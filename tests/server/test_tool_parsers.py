@@ -15,7 +15,7 @@ import pytest
 
 from server.config import ServerConfig
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, FunctionName, NamedToolChoice
+from server.protocol import ChatCompletionRequest
 from server.tool_parsers import (
     PARSERS,
     ParsedCall,
@@ -275,11 +275,8 @@ def test_plans_follow_vllm() -> None:
         ServerConfig(),
     )
     assert named is not None and named.function == "now"
-    assert named.output_schema == {
-        "type": "object",
-        "properties": {},
-        "additionalProperties": False,
-    }
+    # objects are closed where every schema is (tokenization.json_schema)
+    assert named.output_schema == {"type": "object", "properties": {}}
 
 
 @pytest.mark.parametrize(
@@ -310,64 +307,13 @@ def test_required_schema_lists_each_tool_with_hoisted_defs() -> None:
         "items": {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": ["get_weather"]},
                             "parameters": {"type": "object",
-                                           "properties": {"city": {"$ref": "#/$defs/city"}},
-                                           "additionalProperties": False}},
+                                           "properties": {"city": {"$ref": "#/$defs/city"}}}},
              "required": ["name", "parameters"], "additionalProperties": False},
             {"properties": {"name": {"type": "string", "enum": ["now"]},
-                            "parameters": {"type": "object", "properties": {},
-                                           "additionalProperties": False}},
+                            "parameters": {"type": "object", "properties": {}}},
              "required": ["name", "parameters"], "additionalProperties": False},
         ]},
         "$defs": {"city": {"type": "string"}},
     }  # fmt: skip
     assert "$defs" in (tools[0].function.parameters or {})  # the request's own is untouched
     assert tool_choice_schema(tools, "auto") is None
-
-
-def closed_parameters(parameters: dict) -> object:
-    """The schema a named call of a function with these parameters is held to."""
-    function = {"name": "f", "parameters": parameters}
-    tools = request(tools=[{"type": "function", "function": function}]).tools or []
-    return tool_choice_schema(tools, NamedToolChoice(function=FunctionName(name="f")))
-
-
-def test_objects_in_parameters_are_closed_unless_they_say_or_combine() -> None:
-    """Every object that lists its keys takes only those (vLLM's default backend reads a
-    schema so); one that says otherwise, or combines schemas, keeps its say."""
-
-    def point() -> dict:  # a fresh copy each time, as a request's JSON has them
-        return {"type": "object", "properties": {"x": {"type": "integer"}}}
-
-    closed_point = {**point(), "additionalProperties": False}
-    parameters = {
-        "type": "object",
-        "properties": {
-            "at": point(),
-            "path": {"type": "array", "items": point(), "prefixItems": [point()]},
-            "tags": {"type": "object", "additionalProperties": {"type": "string"}},
-            "extra": {"type": "object", "additionalProperties": True},
-            "either": {"anyOf": [point(), {"type": "string"}]},
-            "both": {"allOf": [point(), {"properties": {"y": {"type": "integer"}}}]},
-            "ref": {"$ref": "#/$defs/point"},
-            "not": {"not": point()},
-        },
-        "$defs": {"point": point()},
-    }
-    assert closed_parameters(parameters) == {
-        "type": "object",
-        "properties": {
-            "at": closed_point,
-            "path": {"type": "array", "items": closed_point, "prefixItems": [closed_point]},
-            "tags": {"type": "object", "additionalProperties": {"type": "string"}},
-            "extra": {"type": "object", "additionalProperties": True},
-            "either": {"anyOf": [closed_point, {"type": "string"}]},
-            "both": {"allOf": [point(), {"properties": {"y": {"type": "integer"}}}]},  # parts
-            "ref": {"$ref": "#/$defs/point"},
-            "not": {"not": point()},
-        },
-        "$defs": {"point": closed_point},
-        "additionalProperties": False,
-    }
-    beside = {"type": "object", "properties": {"kind": {"type": "string"}},
-              "anyOf": [{"properties": {"a": {"type": "integer"}}}]}  # fmt: skip
-    assert closed_parameters(beside) == beside  # branches add to the object's own keys

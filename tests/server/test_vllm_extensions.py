@@ -3,7 +3,7 @@
 
 prompt_logprobs, return_token_ids, return_tokens_as_token_ids, continuous usage stats,
 truncate_prompt_tokens, stop_reason, usage's cached_tokens; the fields served nowhere
-here (kv_transfer_params, use_beam_search, logprob_token_ids); unknown fields logged;
+here (kv_transfer_params); unknown fields logged;
 tool_choice's constraint over response_format's; every bad value named.
 """
 
@@ -319,8 +319,7 @@ def test_stop_reason_names_what_ended_the_choice(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize(
     "extra",
-    [{"kv_transfer_params": {"do_remote_decode": True}}, {"use_beam_search": True},
-     {"logprob_token_ids": [1, 2]}],
+    [{"kv_transfer_params": {"do_remote_decode": True}}],
     ids=lambda extra: next(iter(extra)),
 )  # fmt: skip
 def test_fields_not_served_are_400s_naming_them(client: openai.OpenAI, extra: dict) -> None:
