@@ -165,8 +165,10 @@ def test_a_mesh_gives_the_tokens_of_one_device(
     got = outputs(core, seqs)
     for name in one:
         assert [t for t, _ in got[name]] == [t for t, _ in one[name]], name
+        # the mesh sums each product's shards in another order; an int8 KV row can then
+        # round one step apart (6e-5 measured on an AMD EPYC host, under 1e-5 on others)
         np.testing.assert_allclose(
-            [lp for _, lp in got[name]], [lp for _, lp in one[name]], atol=1e-5
+            [lp for _, lp in got[name]], [lp for _, lp in one[name]], atol=2e-4
         )
 
 
