@@ -210,7 +210,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "jax-llm-server")
     parser.add_argument("--tokens", type=int, default=3000, help="tokens of text scored")
-    parser.add_argument("--options", default=",".join(OPTIONS), help="which options to run")
+    parser.add_argument(
+        "--options", default=",".join(OPTIONS), help="which options to run (empty: none)"
+    )
     parser.add_argument("--draft-layers", type=int, default=8)
     parser.add_argument("--skip-spec", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
@@ -229,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }  # fmt: skip
     print(json.dumps({"reference_perplexity": reference, "tokens": len(tokens)}), flush=True)
     items = graded_prompts()
-    for name in args.options.split(","):
+    for name in filter(None, args.options.split(",")):
         dtype, flags = OPTIONS[name]
         spec = with_args(ours(dtype), name.replace(" ", "-"), flags)
         with started(spec, folder, DEFAULT_MODEL.name, 8, CONTEXT) as running:

@@ -61,3 +61,28 @@ def test_shapes_have_the_sizes_they_are_named_for() -> None:
     assert SHAPES["70m-128k"].params() == 68_618_496
     assert SHAPES["70m-128k"].vocab == 128_256
     assert 100e6 < SHAPES["100m"].params() < 105e6
+
+
+def test_a_prepared_gguf_as_safetensors_is_the_checkpoint_again(tmp_path: Path) -> None:
+    """bench.models' float32 folder of a GGUF (the default model's, for peers): the weights
+    of the checkpoint the GGUF was written from, whole or cut to its first layers."""
+    import numpy as np
+
+    from bench.models import gguf_as_safetensors
+    from engine.checkpoint import load_params
+    from engine.config import load_model_config
+    from engine.gguf_folder import prepare_folder
+    from engine.tiny import write_tiny_checkpoint
+    from engine.tiny_gguf import write_gguf
+
+    source = write_tiny_checkpoint(tmp_path / "hf", arch="llama")
+    prepared = prepare_folder(write_gguf(source, tmp_path / "m.gguf"), tmp_path / "cache")
+    whole = gguf_as_safetensors(prepared, tmp_path / "whole")
+    config = load_model_config(source)
+    want, got = load_params(source, config), load_params(whole, load_model_config(whole))
+    for mine, theirs in zip(got["layers"], want["layers"], strict=True):
+        assert all(np.array_equal(mine[k], theirs[k]) for k in theirs)
+    assert np.array_equal(got["embed"], want["embed"])
+    cut = gguf_as_safetensors(prepared, tmp_path / "cut", layers=1)
+    assert load_model_config(cut).num_layers == 1
+    assert (cut / "tokenizer.json").is_file() and not (cut / "gguf_tensors.json").exists()
