@@ -54,6 +54,7 @@ def one_start(cache: Path, flags: list[str], log: Path) -> dict[str, Any]:
                 reply = httpx.post(base + "/v1/chat/completions", json=QUESTION, timeout=60)
                 if reply.status_code == 200:
                     answered = time.monotonic() - began
+                    ready_s = answered if ready_s is None else ready_s
                     text = reply.json()["choices"][0]["message"]["content"]
                     return {"first_answer_s": answered, "ready_s": ready_s, "answer": text}
             except httpx.HTTPError:

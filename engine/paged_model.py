@@ -17,6 +17,7 @@ The layer math is engine.model's. Params quantized by engine.quant (int8 weights
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -181,12 +182,36 @@ def forward(
     dtype = params["final_norm"].dtype  # the model's (the embedding may be int8)
     x = embed_tokens(params, batch.tokens)
     cos, sin = rope_tables(jnp.asarray(batch.positions), inv_freq, dtype)
-    t = batch.tokens.shape[0]
+    slots = jnp.asarray(batch.slots)
     written = []
     for lp, layer_pages in zip(params["layers"], pages, strict=True):
-        q, k, v = attention_inputs(lp, x, cfg, cos, sin)
-        layer_pages = attention.write(layer_pages, k, v, jnp.asarray(batch.slots))
-        attn = attention.attend(q, layer_pages, batch.attention, sliding_window=cfg.sliding_window)
-        x = layer_output(lp, x, attn.reshape(t, cfg.q_size), cfg)
+        x, layer_pages = _layer(
+            lp, layer_pages, x, cos, sin, slots, batch.attention, cfg=cfg, attention=attention
+        )
         written.append(layer_pages)
     return x, tuple(written)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attention"))
+def _layer(
+    lp: Params,
+    pages: jax.Array,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    slots: jax.Array,
+    batch: AttentionBatch,
+    *,
+    cfg: ModelConfig,
+    attention: Attention,
+) -> tuple[jax.Array, jax.Array]:
+    """One decoder layer: its K/V written into its pages, attention, the MLP.
+
+    A jit of its own inside the step: every layer has the same shapes, so the step traces
+    and lowers one layer and calls it per layer (XLA inlines the calls, so the compiled
+    step is the unrolled one). Tracing 30 layers' attention loops one by one took most of
+    a warm start's seconds (bench/README, "Start-up")."""
+    q, k, v = attention_inputs(lp, x, cfg, cos, sin)
+    pages = attention.write(pages, k, v, slots)
+    attn = attention.attend(q, pages, batch, sliding_window=cfg.sliding_window)
+    return layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg), pages
