@@ -50,7 +50,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,17 +63,31 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench.model_shapes import CONFIGS, checkpoint_shapes, model_config
+from bench.tpu_roofline import (
+    CHIP_PEAKS,
+    Peaks,
+    StepShape,
+    Work,
+    attention_flops,
+    kernel_work,
+    matmul_elements,
+    ratio,
+    spread,
+    useful_flops,
+)
 from engine.attention import AttentionBatch, KVLayout
 from engine.attention.kv_dtype import KV_CACHE_DTYPES, storage_dtype
-from engine.attention.tpu import PallasAttention, kv_pages_per_block, queries_per_block
+from engine.attention.tpu import PallasAttention
 from engine.core.core import backend_numerics
+from engine.core.memory import TEMPORARY_HEADROOM, KVBudget
 from engine.core.runner import Shapes, prompt_logprobs_program, step_program
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
 from engine.paged_model import StepBatch
 from engine.quant import QUANTIZATIONS, quantized_shapes
-from engine.sampling import SamplingArrays, host_arrays
+from engine.sampling import SamplingArrays
+from engine.sampling_tpu import backend_sampler
 from engine.token_mask import mask_words
-from engine.types import MAX_LOGIT_BIAS, SamplingParams
+from engine.types import MAX_LOGIT_BIAS
 
 GIB = 1 << 30
 # XLA's memory-space assignment for v5e/v5p ("vf") and v6e ("gf") off: every array stays
@@ -86,6 +100,7 @@ HBM_ONLY = {
 HBM_BYTES = {"TPU v5 lite": 16 * GIB, "TPU v6 lite": 32 * GIB, "TPU v5": 95 * GIB}
 PROMPT = 1024  # the prefill program's prompt
 DEFAULT_PAGE_SIZE = 128
+SAMPLINGS = ("greedy", "sampled")
 
 
 @dataclass(frozen=True)
@@ -103,30 +118,59 @@ class Setup:
     chunk: int
     quantization: str = "none"  # engine.quant: "int8" weights
     kv_cache_dtype: str = "auto"  # engine.attention.kv_dtype
+    chip_peaks: str | None = None  # "FLOPS,BYTES_PER_S"; default: CHIP_PEAKS
 
 
 @dataclass
 class Program:
+    """One program's figures per chip; a prompt's chunks add theirs in turn."""
+
     name: str
     kind: str
     batch: int
     tokens: int
+    sampling: str | None = "greedy"  # the batch's rows: "greedy" or "sampled"
+    contexts: str = "full"  # "full": every sequence as long as the pages allow; "mixed"
+    kv_positions: int = 0  # positions the batch attends over, summed over its sequences
     compiled: bool = False
     error: str | None = None
     compile_s: float = 0.0
     peak_bytes_per_chip: int = 0
     hbm_bytes_per_chip: int = 0
-    bytes_accessed: float = 0.0  # HBM traffic of a greedy batch's step + the kernel's
+    bytes_accessed: float = 0.0  # HBM traffic: XLA's count + the kernel's
     unavoidable_bytes: float = 0.0
     ratio: float | None = None
-    xla_bytes_accessed: float = 0.0  # XLA's own figure (module docstring)
+    flops: float = 0.0  # XLA's count + the kernel's
+    unavoidable_flops: float = 0.0
+    roofline_s: float = 0.0
+    unavoidable_roofline_s: float = 0.0
+    time_ratio: float | None = None
+    bound: str | None = None  # "hbm" or "flops": which term sets roofline_s
+    kernel_flops: float = 0.0  # the attention kernel's share of flops
+    attention_flops_ratio: float | None = None  # kernel_flops over causal attention's
+    # a prompt against one pass over the weights for the whole prompt (prefill only)
+    once_unavoidable_bytes: float | None = None
+    once_roofline_s: float | None = None
+    once_time_ratio: float | None = None
 
-    def add(self, hbm: float, xla: float, kernel: float, unavoidable: float) -> None:
-        """One step's figures (a prompt's chunks add theirs in turn)."""
-        self.bytes_accessed += hbm + kernel
-        self.xla_bytes_accessed += xla + kernel
-        self.unavoidable_bytes += unavoidable
-        self.ratio = round(self.bytes_accessed / self.unavoidable_bytes, 3)
+    def add(self, step: Work, unavoidable: Work, peaks: Peaks) -> None:
+        self.bytes_accessed += step.bytes
+        self.flops += step.flops
+        self.unavoidable_bytes += unavoidable.bytes
+        self.unavoidable_flops += unavoidable.flops
+        self.roofline_s += step.seconds(peaks)
+        self.unavoidable_roofline_s += unavoidable.seconds(peaks)
+        self.ratio = ratio(self.bytes_accessed, self.unavoidable_bytes)
+        self.time_ratio = ratio(self.roofline_s, self.unavoidable_roofline_s)
+        self.bound = Work(self.bytes_accessed, self.flops).bound(peaks)
+
+    def once(self, weights: float, chunks: int, peaks: Peaks) -> None:
+        """Against the weights read once for the whole prompt (each of its chunks reads
+        them) plus the prompt's K/V, the same useful FLOPs."""
+        self.once_unavoidable_bytes = self.unavoidable_bytes - weights * (chunks - 1)
+        once = Work(self.once_unavoidable_bytes, self.unavoidable_flops)
+        self.once_roofline_s = once.seconds(peaks)
+        self.once_time_ratio = ratio(self.roofline_s, self.once_roofline_s)
 
 
 def placed(shapes: Any, shardings: Any) -> Any:
@@ -189,23 +233,32 @@ class Harness:
         self.mesh = Mesh(np.array(devices[:tp]), (MODEL_AXIS,))
         self.device_kind = devices[0].device_kind
         self.hbm = HBM_BYTES.get(self.device_kind, 0)
+        if setup.chip_peaks is not None:
+            self.peaks = Peaks.parse(setup.chip_peaks)
+        elif self.device_kind in CHIP_PEAKS:
+            self.peaks = Peaks(*CHIP_PEAKS[self.device_kind])
+        else:
+            raise ValueError(f"no peaks known for {self.device_kind}: pass --chip-peaks")
         self.cfg = backend_numerics(model_config(setup.config, setup.layers, tp), "tpu")
         self.dtype = jnp.dtype(setup.dtype)
         self.whole = NamedSharding(self.mesh, PartitionSpec())
         fold = 128 // self.cfg.head_dim if self.cfg.head_dim < 128 else 1
-        self.layout = KVLayout(
-            setup.num_pages,
-            setup.page_size,
-            self.cfg.num_kv_heads,
-            self.cfg.head_dim,
-            storage_dtype(setup.kv_cache_dtype, setup.dtype),
-            fold,
-        )
-        self.attention = PallasAttention(self.layout, self.mesh)
         shapes = checkpoint_shapes(self.cfg, self.dtype, slot_layout=False)
         self.params = placed(shapes, checkpoint_param_shardings(shapes, self.cfg, self.mesh))
         if setup.quantization == "int8":
             self.params = quantized_shapes(self.params)
+        kv_dtype = storage_dtype(setup.kv_cache_dtype, setup.dtype)
+        probe = KVLayout(
+            1, setup.page_size, self.cfg.num_kv_heads, self.cfg.head_dim, kv_dtype, fold
+        )
+        if setup.num_pages <= 0:  # memory-sized, as engine.core.memory sizes the pool
+            usable = int(self.hbm * (KVBudget().memory_utilization - TEMPORARY_HEADROOM))
+            page = probe.page_bytes * self.cfg.num_layers // tp
+            setup = self.setup = replace(
+                setup, num_pages=(usable - per_chip_bytes(self.params)) // page
+            )
+        self.layout = replace(probe, num_pages=setup.num_pages)
+        self.attention = PallasAttention(self.layout, self.mesh)
         pages_sharding = NamedSharding(self.mesh, PartitionSpec(None, None, MODEL_AXIS, None))
         layout = self.layout
         one = jax.ShapeDtypeStruct(layout.shape, layout.array_dtype, sharding=pages_sharding)
@@ -216,7 +269,7 @@ class Harness:
         )
         self.programs: list[Program] = []
 
-    # -- what a step must move, per chip ------------------------------------------------
+    # -- what a step must do, per chip ------------------------------------------------
     def kv_token_bytes(self) -> int:
         """One position's K and V in every layer, on one chip (unpadded)."""
         per_chip = self.cfg.num_kv_heads // self.setup.tensor_parallel_size
@@ -230,67 +283,81 @@ class Harness:
             total += tokens * self.cfg.hidden_size * np.dtype(embed.dtype).itemsize
         return float(total)
 
-    def unavoidable(self, params: Any, seqs: Sequences) -> float:
+    def shape(self, seqs: Sequences) -> StepShape:
+        tp = self.setup.tensor_parallel_size
+        return StepShape(
+            self.cfg.num_layers,
+            self.cfg.num_heads // tp,
+            self.cfg.head_dim,
+            seqs.q_lens,
+            seqs.kv_lens,
+        )
+
+    def unavoidable(self, seqs: Sequences) -> Work:
+        """The weights once, each sequence's live K/V once, the new K/V written; useful
+        FLOPs (bench.tpu_roofline.useful_flops)."""
         live = sum(seqs.kv_lens) - sum(seqs.q_lens)  # positions read before the step
         new = sum(seqs.q_lens)
-        return self.weight_bytes(params, new) + (live + new) * self.kv_token_bytes()
+        moved = self.weight_bytes(self.params, new) + (live + new) * self.kv_token_bytes()
+        layers = matmul_elements(self.params["layers"])
+        head = matmul_elements(self.params.get("lm_head", self.params["embed"]))
+        return Work(moved, useful_flops(layers, head, self.shape(seqs)))
 
-    def kernel_bytes(self, seqs: Sequences, tokens: int) -> float:
-        """What the Pallas kernel moves, per chip, over all layers (module docstring)."""
-        layout, tp = self.layout, self.setup.tensor_parallel_size
-        block = kv_pages_per_block(layout, self.pages_per_seq)
-        per_q = queries_per_block(tokens)
-        page = layout.page_bytes // tp
-        pages = 0
-        start = 0
-        for q_len, kv_len in zip(seqs.q_lens, seqs.kv_lens, strict=True):
-            q_blocks = len(range(start // per_q, (start + q_len - 1) // per_q + 1))
-            needed = -(-kv_len // layout.page_size)
-            pages += q_blocks * (-(-needed // block)) * block
-            start += q_len
-        heads = self.cfg.num_heads // tp
-        q_and_out = 2 * tokens * heads * layout.lanes * self.dtype.itemsize
-        return float((pages * page + q_and_out) * self.cfg.num_layers)
+    def kernel(self, seqs: Sequences, tokens: int) -> Work:
+        """What the Pallas kernel moves and computes, per chip, over all layers."""
+        return kernel_work(
+            self.layout,
+            self.shape(seqs),
+            tokens,
+            self.pages_per_seq,
+            self.setup.tensor_parallel_size,
+            self.dtype.itemsize,
+        )
+
+    def full_context(self, count: int) -> int:
+        """Each of `count` busy sequences as long as the pages hold, at most max_model_len."""
+        setup = self.setup
+        return min(setup.max_model_len, setup.num_pages // count * setup.page_size)
 
     # -- compiling --------------------------------------------------------------------
     def _compile(
         self,
-        program: Program,
+        programs: Sequence[Program],
         fn: Callable[..., Any],
         args: Sequence[Any],
         donate: tuple[int, ...],
-        greedy: Callable[..., Any],
-        greedy_args: Sequence[Any],
-    ) -> tuple[float, float] | None:
-        """Compiles `fn` as the server does, records whether it compiled and fits, then
-        compiles `greedy` (the same step with a greedy batch's sampling arrays as
-        constants, so each sampling cond keeps only the branch such a batch takes) with
-        every array in HBM. Returns (that one's bytes accessed, XLA's figure of `fn`)."""
+    ) -> Work | None:
+        """Compiles `fn` once, as the server does but with memory-space assignment off
+        (module docstring); records on each of `programs` whether it compiled and fits.
+        Returns XLA's bytes and FLOPs of it."""
         start = time.perf_counter()
+        error = None
         try:
             with jax.default_device(self.mesh.devices.flat[0]):  # Pallas asks the device kind
-                compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+                lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+                compiled = lowered.compile(compiler_options=HBM_ONLY)
         except Exception as exc:  # a program that does not compile is a result
-            program.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}"
-            program.compile_s = round(time.perf_counter() - start, 2)
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}"
+        seconds = round(time.perf_counter() - start, 2)
+        peak = 0
+        if error is None:
+            memory = compiled.memory_analysis()
+            peak = int(
+                memory.argument_size_in_bytes
+                + memory.output_size_in_bytes
+                + memory.temp_size_in_bytes
+                - memory.alias_size_in_bytes
+            )
+            if self.hbm and peak > self.hbm:
+                error = f"needs {peak} bytes of {self.hbm} per chip"
+        for program in programs:
+            program.compile_s, program.error = seconds, error
+            program.compiled = peak > 0
+            program.peak_bytes_per_chip, program.hbm_bytes_per_chip = peak, self.hbm
+        if error is not None:
             return None
-        program.compile_s = round(time.perf_counter() - start, 2)
-        program.compiled = True
-        memory = compiled.memory_analysis()
-        program.hbm_bytes_per_chip = self.hbm
-        program.peak_bytes_per_chip = int(
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            + memory.temp_size_in_bytes
-            - memory.alias_size_in_bytes
-        )
-        if self.hbm and program.peak_bytes_per_chip > self.hbm:
-            program.error = f"needs {program.peak_bytes_per_chip} bytes of {self.hbm} per chip"
-            return None
-        with jax.default_device(self.mesh.devices.flat[0]):
-            lowered = jax.jit(greedy, donate_argnums=donate).lower(*greedy_args)
-            traffic = lowered.compile(compiler_options=HBM_ONLY)
-        return _bytes_accessed(traffic), _bytes_accessed(compiled)
+        cost = compiled.cost_analysis()
+        return Work(float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0)))
 
     def _batch(self, count: int, tokens: int) -> StepBatch:
 
@@ -305,27 +372,15 @@ class Harness:
             last=a(count),
         )
 
-    def paged(self, name: str, kind: str, seqs: Sequences, repeat: int = 1) -> Program:
-        """The step for this ragged batch; `repeat` > 1 sums consecutive chunks of one
-        prompt (seqs then lists their kv_lens in turn, one sequence each)."""
-        steps = [
-            Sequences(seqs.q_lens, seqs.kv_lens)
-            if repeat == 1
-            else Sequences((seqs.q_lens[0],), (kv,))
-            for kv in (seqs.kv_lens if repeat > 1 else (0,))
-        ]
-        first = steps[0]
-        real = sum(first.q_lens)
-        program = Program(name, kind, batch=len(first.q_lens), tokens=real * len(steps))
-        # the bucket the runner pads this batch to (padding sequences read no pages)
-        tokens, count = self.shapes.bucket(real, len(first.q_lens))
+    def step_args(self, count: int, tokens: int) -> tuple[Any, ...]:
+        """The step's arguments as the runner passes them, for a (tokens, count) bucket."""
         vocab = self.cfg.vocab_size
         whole = self.whole
 
         def ints(*shape: int, dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
 
-        args = (
+        return (
             self.params,
             self.pages,
             ints(self.setup.max_num_seqs, vocab),  # penalty counts per device row
@@ -340,29 +395,50 @@ class Harness:
             ints(vocab, dtype=bool),  # eos mask
             jax.ShapeDtypeStruct((self.cfg.head_dim // 2,), jnp.float32, sharding=whole),
         )
-        step = functools.partial(step_program, cfg=self.cfg, attention=self.attention)
-        greedy = host_arrays(SamplingParams(temperature=0.0, seed=0), vocab)
-        sampling = SamplingArrays(*(np.stack([a] * count) for a in greedy))
 
-        generated = np.zeros((count,), np.int32)
-
-        def greedy_step(*abstract: Any) -> Any:
-            *lead, eos, inv_freq = abstract
-            return step(*lead, sampling, generated, eos, inv_freq)
-
-        greedy_args = args[:9] + args[11:]
-        measured = self._compile(program, step, args, (1, 2, 3), greedy_step, greedy_args)
-        if measured is not None:
-            for part in steps:
-                kernel = self.kernel_bytes(part, tokens)
-                program.add(*measured, kernel, self.unavoidable(self.params, part))
-        self.programs.append(program)
-        return program
+    def paged(
+        self, name: str, kind: str, variants: Sequence[tuple[str, str, Sequence[Sequences]]]
+    ) -> list[Program]:
+        """The step compiled once for the bucket of the variants' batches (each variant:
+        its sampling, its contexts and its steps, in turn: a prompt's chunks, one step
+        otherwise); one Program per variant. XLA's figures are the compiled program's;
+        the kernel's and the unavoidable work are each batch's own."""
+        first = variants[0][2][0]
+        real = sum(first.q_lens)
+        programs = [
+            Program(
+                name,
+                kind,
+                batch=len(first.q_lens),
+                tokens=real * len(steps),
+                sampling=sampling,
+                contexts=contexts,
+                kv_positions=sum(sum(step.kv_lens) for step in steps),
+            )
+            for sampling, contexts, steps in variants
+        ]
+        # the bucket the runner pads this batch to (padding sequences read no pages)
+        tokens, count = self.shapes.bucket(real, len(first.q_lens))
+        step = functools.partial(
+            step_program, cfg=self.cfg, attention=self.attention, sampler=backend_sampler("tpu")
+        )
+        xla = self._compile(programs, step, self.step_args(count, tokens), (1, 2, 3))
+        if xla is not None:
+            for program, (_, _, steps) in zip(programs, variants, strict=True):
+                useful = 0.0
+                for part in steps:
+                    kernel = self.kernel(part, tokens)
+                    program.add(xla + kernel, self.unavoidable(part), self.peaks)
+                    program.kernel_flops += kernel.flops
+                    useful += attention_flops(self.shape(part))
+                program.attention_flops_ratio = ratio(program.kernel_flops, useful)
+        self.programs.extend(programs)
+        return programs
 
     def prompt_logprobs(self, tokens: int) -> Program:
         """The prompt-logprobs program over one step's hidden states (engine.core.runner):
         the head over every token, a log-softmax, the chosen and the best logprobs."""
-        program = Program(f"prompt-logprobs-{tokens}", "prompt-logprobs", 1, tokens)
+        program = Program(f"prompt-logprobs-{tokens}", "prompt-logprobs", 1, tokens, None)
         whole = self.whole
         args = (
             self.params,
@@ -370,41 +446,75 @@ class Harness:
             jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=whole),
         )
         fn = functools.partial(prompt_logprobs_program, cfg=self.cfg)
-        measured = self._compile(program, fn, args, (), fn, args)
-        if measured is not None:
+        xla = self._compile([program], fn, args, ())
+        if xla is not None:
             head = self.params.get("lm_head", self.params["embed"])
             must = per_chip_bytes(head) + tokens * self.cfg.hidden_size * self.dtype.itemsize
-            program.add(*measured, 0.0, float(must))
+            useful = 2.0 * tokens * matmul_elements(head)
+            program.add(xla, Work(float(must), useful), self.peaks)
         self.programs.append(program)
         return program
 
     def run(self, which: Sequence[str]) -> list[Program]:
         setup = self.setup
-        n, ctx, chunk = setup.max_num_seqs, setup.max_model_len, setup.chunk
-        # each busy sequence as long as the pages hold, at most max_model_len
-        held = min(ctx, setup.num_pages // n * setup.page_size)
+        n, chunk = setup.max_num_seqs, setup.chunk
         if "decode" in which:
-            self.paged(f"decode-{n}", "decode", Sequences((1,) * n, (held,) * n))
-            self.paged("decode-1", "decode", Sequences((1,), (ctx,)))
+            for count in sorted({c for c in (1, 8, n) if c <= n}):
+                full = self.full_context(count)
+                batches = {
+                    "full": Sequences((1,) * count, (full,) * count),
+                    "mixed": Sequences((1,) * count, spread(full, count)),
+                }
+                variants = [
+                    (sampling, contexts, [seqs])
+                    for sampling in SAMPLINGS
+                    for contexts, seqs in batches.items()
+                ]
+                self.paged(f"decode-{count}", "decode", variants)
         if "prefill" in which:
-            ends = tuple(range(chunk, PROMPT + 1, chunk))
-            self.paged(f"prefill-{PROMPT}", "prefill", Sequences((chunk,), ends), len(ends))
+            ends = range(chunk, PROMPT + 1, chunk)
+            steps = [Sequences((chunk,), (end,)) for end in ends]
+            (program,) = self.paged(f"prefill-{PROMPT}", "prefill", [("sampled", "full", steps)])
+            if program.compiled:
+                program.once(self.weight_bytes(self.params, chunk), len(steps), self.peaks)
         if "mixed" in which:
+            held = self.full_context(n)
             q_lens = (1,) * (n - 1) + (chunk,)
-            self.paged(f"mixed-{n}", "mixed", Sequences(q_lens, (held,) * (n - 1) + (PROMPT,)))
+            seqs = Sequences(q_lens, (held,) * (n - 1) + (PROMPT,))
+            self.paged(f"mixed-{n}", "mixed", [("sampled", "full", [seqs])])
         if "prompt-logprobs" in which:
             self.prompt_logprobs(chunk)
         return self.programs
 
 
-def _bytes_accessed(compiled: Any) -> float:
-    return float(compiled.cost_analysis().get("bytes accessed", 0.0))
-
-
 def default_pages(setup_args: argparse.Namespace) -> int:
-    """Pages for max_num_seqs sequences of max_model_len, one spare per sequence."""
+    """--num-pages: a count; "memory": what the chip's HBM holds beside the weights (0
+    here, sized by the Harness); default: max_num_seqs sequences of max_model_len, one
+    spare page each."""
+    if setup_args.num_pages == "memory":
+        return 0
+    if setup_args.num_pages is not None:
+        return int(setup_args.num_pages)
     per_seq = -(-setup_args.max_model_len // setup_args.page_size)
     return setup_args.max_num_seqs * per_seq + setup_args.max_num_seqs
+
+
+def summary(p: Program) -> str:
+    """One line of a program's figures."""
+
+    def x(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}x"
+
+    once = "" if p.once_time_ratio is None else f"  once {x(p.once_time_ratio)}"
+    return (
+        f"{p.name:>20} {p.sampling or '-':>7} {p.contexts:>5} compiled={p.compiled} "
+        f"{p.bytes_accessed / 1e9:8.2f} / {p.unavoidable_bytes / 1e9:7.2f} GB = {x(p.ratio)}  "
+        f"{p.flops / 1e12:7.3f} / {p.unavoidable_flops / 1e12:7.3f} TFLOP  "
+        f"{p.roofline_s * 1e3:8.3f} / {p.unavoidable_roofline_s * 1e3:8.3f} ms = "
+        f"{x(p.time_ratio)} {p.bound or '-':>5}{once}  peak "
+        f"{p.peak_bytes_per_chip / GIB:.2f} GiB  {p.compile_s:.1f} s"
+        + (f"  ERROR {p.error}" if p.error else "")
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -422,7 +532,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    parser.add_argument("--num-pages", type=int, default=None, help="default: every sequence full")
+    parser.add_argument(
+        "--num-pages", default=None, help='a count, or "memory"; default: every sequence full'
+    )
+    parser.add_argument(
+        "--chip-peaks", default=None, help="FLOPS,BYTES_PER_S of a chip (default: its own)"
+    )
     parser.add_argument("--chunk", type=int, default=256, help="prompt tokens per step")
     parser.add_argument(
         "--programs",
@@ -445,10 +560,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         layers=args.layers,
         dtype=args.dtype,
         page_size=args.page_size,
-        num_pages=args.num_pages or default_pages(args),
+        num_pages=default_pages(args),
         chunk=args.chunk,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        chip_peaks=args.chip_peaks,
     )
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # TPU programs cannot load here
@@ -458,21 +574,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
     report = {
-        "setup": dataclasses.asdict(setup) | {"device_kind": harness.device_kind},
+        "setup": dataclasses.asdict(harness.setup)
+        | {"device_kind": harness.device_kind, "peaks": dataclasses.asdict(harness.peaks)},
         "programs": [dataclasses.asdict(p) for p in programs],
     }
     text = json.dumps(report, indent=1)
     if args.json is not None:
         args.json.write_text(text)
     for p in programs:
-        ratio = "-" if p.ratio is None else f"{p.ratio:.2f}x"
-        print(
-            f"{p.name:>20} compiled={p.compiled} {p.bytes_accessed / 1e9:8.2f} GB "
-            f"/ {p.unavoidable_bytes / 1e9:7.2f} GB = {ratio:>8}  (XLA's figure "
-            f"{p.xla_bytes_accessed / 1e9:.2f} GB)  peak {p.peak_bytes_per_chip / GIB:.2f} GiB  "
-            f"{p.compile_s:.1f} s" + (f"  ERROR {p.error}" if p.error else ""),
-            file=sys.stderr,
-        )
+        print(summary(p), file=sys.stderr)
     return report
 
 

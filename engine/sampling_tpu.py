@@ -1,0 +1,146 @@
+"""TPU sampling: a sampled row draws from a prefix of its best tokens.
+
+Owns: `sample` in TPU's form and `backend_sampler`, the one choice of sampler per
+backend (the runner's step and bench.tpu_aot both ask it). engine.sampling stays the
+definition elsewhere (CPU's bit-exact forms: fixed-order tree sums, a top-k / top-p
+bisection over the vocabulary when a threshold lies past its candidates).
+
+Here a sampled row takes its TOP_CANDIDATES best tokens (one lax.top_k pass over the
+vocabulary, as vLLM TPU and tpu-inference do) and applies temperature, top-k, top-p and
+the draw to that prefix only: the tail past it is never drawn (a row asking a larger
+top-k gets TOP_CANDIDATES). Sums are XLA's own reduce (on TPU its order follows the
+reduced axis, not the rows). Greedy rows, penalties, min_tokens, logit bias, the
+allowed-token bitmask and logprobs mean what they mean in engine.sampling; each costs
+its passes over (rows x vocab) only when some row has it. A row's result depends on
+that row alone. bench/README.md ("TPU programs") has what it saves.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from engine import sampling
+from engine.sampling import Sampled, SamplingArrays
+from engine.types import MAX_LOGPROBS
+
+TOP_CANDIDATES = 128  # the tokens a sampled row draws from
+
+
+def backend_sampler(platform: str) -> Callable[..., Sampled]:
+    """The step's sampler on a platform ("tpu": this module's; else engine.sampling's)."""
+    return sample if platform == "tpu" else sampling.sample
+
+
+def sample(
+    logits: jax.Array,
+    params: SamplingArrays,
+    index: jax.Array,
+    counts: jax.Array,
+    generated: jax.Array,
+    eos_mask: jax.Array,
+    count_rows: jax.Array | None = None,
+) -> Sampled:
+    """engine.sampling.sample's contract over (B, vocab) logits, in TPU's form."""
+    logits = logits.astype(jnp.float32)
+    special = (
+        sampling.penalized(params)
+        | (generated < params.min_tokens)
+        | (params.temperature > 0)
+        | params.logprobs
+        | sampling.biased(params)
+        | params.masked
+    )
+    rows = functools.partial(_special_rows, count_rows=count_rows)
+    return lax.cond(
+        jnp.any(special), rows, sampling._greedy, logits, params, index, counts, generated, eos_mask
+    )
+
+
+def _special_rows(
+    logits: jax.Array,
+    params: SamplingArrays,
+    index: jax.Array,
+    counts: jax.Array,
+    generated: jax.Array,
+    eos_mask: jax.Array,
+    *,
+    count_rows: jax.Array | None,
+) -> Sampled:
+    rows = logits.shape[0]
+
+    def adjust() -> jax.Array:
+        mine = (
+            counts[:rows]
+            if count_rows is None
+            else counts.at[count_rows].get(mode="fill", fill_value=0)
+        )
+        return sampling._adjust(logits, params, mine, generated, eos_mask)
+
+    adjusting = jnp.any(sampling.penalized(params) | (generated < params.min_tokens))
+    adjusted = lax.cond(adjusting, adjust, lambda: logits)
+    adjusted = lax.cond(
+        jnp.any(sampling.biased(params)),
+        lambda x: sampling.add_logit_bias(x, params.bias_ids, params.bias_values),
+        lambda x: x,
+        adjusted,
+    )
+    adjusted = lax.cond(
+        jnp.any(params.masked),
+        lambda x: sampling.apply_token_bitmask(x, params.allowed),
+        lambda x: x,
+        adjusted,
+    )
+    greedy = sampling.argmax(adjusted)
+    drawing = params.temperature > 0
+    drawn = lax.cond(
+        jnp.any(drawing),
+        lambda: draw(adjusted, params, index),
+        lambda: jnp.zeros(greedy.shape, jnp.int32),
+    )
+    token = jnp.where(drawing, drawn, greedy)
+    logprob, top_lps, top_ids = lax.cond(
+        jnp.any(params.logprobs),
+        _logprobs,
+        lambda *_: (
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
+            jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+        ),
+        logits,
+        token,
+    )
+    return Sampled(token, logprob, top_ids, top_lps)
+
+
+def draw(adjusted: jax.Array, params: SamplingArrays, index: jax.Array) -> jax.Array:
+    """Temperature, then top-k and top-p within the row's TOP_CANDIDATES best tokens,
+    then one uniform per row (the key engine.sampling derives) through their CDF."""
+    vocab = adjusted.shape[-1]
+    width = min(TOP_CANDIDATES, vocab)
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    values, ids = lax.top_k(adjusted / temperature[:, None], width)  # best first
+    position = jnp.arange(width, dtype=jnp.int32)[None, :]
+    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, width), width)
+    values = jnp.where(position < k[:, None], values, -jnp.inf)
+    probs = jax.nn.softmax(values, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more probable tokens
+    probs = jnp.where((before < params.top_p[:, None]) | (position == 0), probs, 0.0)
+    keys = jax.vmap(jax.random.fold_in)(params.key, index)
+    uniform = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+    cdf = jnp.cumsum(probs, axis=-1)
+    last = jnp.sum((probs > 0).astype(jnp.int32), axis=-1) - 1  # kept tokens lead
+    choice = jnp.minimum(jnp.sum(cdf <= (uniform * cdf[:, -1])[:, None], axis=-1), last)
+    return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _logprobs(logits: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(logprob of token, top MAX_LOGPROBS logprobs, their ids) of the raw logits."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    top_lps, top_ids = sampling.top_logprobs(logprobs)
+    chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    return chosen, top_lps, top_ids.astype(jnp.int32)
