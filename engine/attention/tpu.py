@@ -21,7 +21,10 @@ queries would do 64x their work. The scheduler puts decode rows (one query each)
 `split_kernel` runs those leading rows through the kernel with blocks of one query (a
 row meets its own KV only) and the sequences after them (prompt chunks, draft-verifying
 rows) through a second call with blocks of QUERIES_PER_BLOCK, whose KV a chunk then reads
-once per block. `kernel_calls` states the same rules for the counting in bench.tpu_aot.
+once per block. A decode row fetches its pages in blocks of DECODE_KV_BLOCK_TOKENS: at
+contexts spread over 1..max it reads half what 512-position blocks overshoot, at one more
+turn of the kernel's loop per 256 positions (bench/README.md, "TPU programs").
+`kernel_calls` states the same rules for the counting in bench.tpu_aot.
 
 8-bit KV (engine.attention.kv_dtype): fp8 pages go to the kernel as they are, with
 k_scale = v_scale = 1.0 (static floats, the only scales it takes); int8 pages, whose
@@ -45,7 +48,7 @@ from engine.attention.layout import AttentionBatch, KVLayout
 KV_BLOCK_TOKENS = 512  # positions per fetched block of pages
 QUERIES_PER_BLOCK = 128  # a prompt chunk reads its KV once per block of queries
 DECODE_QUERIES_PER_BLOCK = 1  # a decode row's block holds its own query only
-DECODE_KV_BLOCK_TOKENS = 512  # positions per fetched block of a decode row's pages
+DECODE_KV_BLOCK_TOKENS = 256  # positions per fetched block of a decode row's pages
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024  # of v5e's and v6e's 128 MiB; the default 16 MiB is short
 MODEL_AXIS = "model"
 
@@ -138,8 +141,11 @@ def split_kernel(
 
     def both() -> jax.Array:
         head = decode(q, pages, kv_lens, page_indices, cu_q_lens, rows[None])
-        token = jnp.arange(q.shape[0], dtype=jnp.int32)
-        return jnp.where((token < rows)[:, None, None], head, chunks_only())
+        out = chunks_only()
+        first = min(seqs, q.shape[0])  # the decode rows are among the first `seqs` queries
+        token = jnp.arange(first, dtype=jnp.int32)
+        mine = jnp.where((token < rows)[:, None, None], head[:first], out[:first])
+        return out.at[:first].set(mine)
 
     branch = jnp.where(rest == 0, 0, jnp.where(rows == 0, 1, 2))
     return lax.switch(branch, (decode_only, chunks_only, both))

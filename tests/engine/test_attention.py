@@ -195,12 +195,12 @@ def test_kernel_calls_keep_each_decode_row_in_its_own_block() -> None:
     q_lens, kv_lens = [1] * 64 + [256], [4096] * 64 + [1024]
     decode, chunks = kernel_calls(layout, q_lens, kv_lens, tokens=320, pages_per_seq=32)
     assert decode.queries_per_block == 1 and len(decode.sequences) == 64
-    assert decode.blocks(layout.page_size) == [(1, 8)] * 64  # 4096 positions: 8 of 512
+    assert decode.blocks(layout.page_size) == [(1, 16)] * 64  # 4096 positions: 16 of 256
     assert chunks.sequences == ((64, 256, 1024),)
     # the chunk starts at query 64 in blocks of 128: blocks 0, 1 and 2 compute it
     assert chunks.blocks(layout.page_size) == [(3, 2)]
     assert kernel_calls(layout, [1] * 4, [10] * 4, 8, 32) == (
-        KernelCall(1, 4, ((0, 1, 10), (1, 1, 10), (2, 1, 10), (3, 1, 10))),
+        KernelCall(1, 2, ((0, 1, 10), (1, 1, 10), (2, 1, 10), (3, 1, 10))),
     )
 
 
