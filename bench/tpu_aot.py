@@ -3,36 +3,42 @@
 Run: `python -m bench.tpu_aot --config 1b --topology v5e:2x2 --tensor-parallel-size 1
 --max-num-seqs 64 --max-model-len 4096 --json out.json` (needs libtpu: `pip install
 "jax[tpu]==0.10.2"`; no TPU). Writes `{"setup": ..., "programs": [...]}`, one entry per
-program with name, kind, batch (sequences), tokens, compiled, error, compile_s,
-peak_bytes_per_chip, hbm_bytes_per_chip, bytes_accessed, unavoidable_bytes and ratio,
-every figure per chip.
+program and batch with name, kind, batch (sequences), tokens, sampling ("greedy" or
+"sampled"), contexts ("full" or "mixed"), kv_positions (the positions its sequences
+attend over, summed), compiled, error, compile_s, peak_bytes_per_chip,
+hbm_bytes_per_chip, bytes_accessed, unavoidable_bytes, ratio, flops, unavoidable_flops,
+roofline_s, unavoidable_roofline_s, time_ratio and bound ("hbm" or "flops"), every
+figure per chip; a prompt's program adds once_unavoidable_bytes, once_roofline_s and
+once_time_ratio (against one pass over the weights for the whole prompt).
 
 Programs, each the engine core's own (engine.core.runner) with abstract params in the
-checkpoint's layout and the engine's shardings:
+checkpoint's layout and the engine's shardings, the TPU's attention and sampler:
 - the step (`step_program`: the ragged batch through the model, the head,
   sampling and the penalty counts' update, its tokens read from the step before where
-  carried): `decode` with every sequence busy as long as the pages
-  allow and with one at max_model_len, a 1,024-token prompt in `--chunk`-token chunks
-  (`prefill`, bytes summed over its chunks), and `mixed` (max_num_seqs - 1 decode rows
-  beside one chunk);
+  carried): `decode-N` for 1, 8 and max_num_seqs sequences, each at the context the
+  pages allow ("full") and at contexts spread evenly over 1..that ("mixed"), greedy and
+  sampled; a 1,024-token prompt in `--chunk`-token chunks (`prefill`, summed over its
+  chunks); and `mixed` (max_num_seqs - 1 decode rows beside one chunk);
 - `prompt-logprobs` over one chunk's hidden states.
 
-bytes_accessed: HBM traffic. The step is compiled once as the server runs it (whether
-it compiles and fits: peak bytes per chip against the chip's HBM), then once more with
-a greedy batch's sampling arrays as constants, so that every sampling `cond` keeps the
-branch such a batch takes (XLA's analysis of a `cond` counts its costliest branch: the
-top-p bisection no greedy step runs), and with memory-space assignment off, so that
-every array lives in HBM and the analysis counts HBM traffic only (an upper bound:
-the real program keeps some of it in VMEM). XLA cannot see into the Pallas attention
-kernel: for each block of its queries, each sequence in it reads its pages in whole
-blocks of engine.attention.tpu.kv_pages_per_block pages (the kernel copies whole
-blocks), plus its queries and outputs; that is added. xla_bytes_accessed is XLA's own
-figure of the real program plus the same kernel bytes: VMEM traffic included, every
-cond at its costliest branch. unavoidable_bytes: the weights a step must read on the
-chip (an untied embedding only its gathered rows; a tied one is the head), each
-sequence's live K/V read once, and the new K/V written. ratio: bytes_accessed over
-unavoidable_bytes.
+Each program is compiled once, as the server compiles it (its sampling arrays are
+arguments) but for memory-space assignment, which is off: every array lives in HBM, so
+XLA's cost analysis counts HBM traffic only (with it on, a weight staged into VMEM is
+counted when copied in and again when read), an upper bound on the real program's, and
+the peak it reports bounds the real program's HBM. XLA counts each `cond` at its
+costliest branch, so one figure serves every batch of that shape: a greedy batch and a
+sampled one (temperature 0.7, top-p 0.9, top-k 50, a presence penalty, logprobs 5) read
+the same figure, which also counts the logit-bias and allowed-token branches neither
+takes. XLA cannot see into the Pallas attention kernel; bench.tpu_roofline.kernel_work
+adds what it moves and computes by its block rules (engine.attention.tpu.kernel_calls).
+unavoidable_bytes: the weights a step must read on the chip (an untied embedding only
+its gathered rows; a tied one is the head), each sequence's live K/V read once, and the
+new K/V written; unavoidable_flops: bench.tpu_roofline.useful_flops. roofline_s:
+max(flops / peak FLOP/s, bytes / HBM bandwidth) a step, summed over a prompt's chunks
+(the chip's peaks: bench.tpu_roofline.CHIP_PEAKS, or `--chip-peaks`).
 
+`--num-pages memory` sizes the pool as the engine does on a chip (engine.core.memory:
+0.9 of HBM less the temporaries' headroom and the weights).
 `--quantization int8` compiles against int8 weights with their scales (engine.quant) and
 `--kv-cache-dtype fp8` against fp8 pages (engine.attention.kv_dtype): unavoidable_bytes
 then counts those bytes, so bytes_accessed against a bfloat16 run of the same setup is
@@ -99,7 +105,7 @@ HBM_ONLY = {
 # HBM per chip (public specifications): what the programs and the KV pages must fit.
 HBM_BYTES = {"TPU v5 lite": 16 * GIB, "TPU v6 lite": 32 * GIB, "TPU v5": 95 * GIB}
 PROMPT = 1024  # the prefill program's prompt
-DEFAULT_PAGE_SIZE = 128
+DEFAULT_PAGE_SIZE = 16  # the server's (server.config.ServerConfig.page_size)
 SAMPLINGS = ("greedy", "sampled")
 
 

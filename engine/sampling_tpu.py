@@ -91,11 +91,11 @@ def _special_rows(
     )
     adjusted = lax.cond(
         jnp.any(params.masked),
-        lambda x: sampling.apply_token_bitmask(x, params.allowed),
+        lambda x: apply_token_bitmask(x, params.allowed),
         lambda x: x,
         adjusted,
     )
-    greedy = sampling.argmax(adjusted)
+    greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)  # XLA's reduce: one pass
     drawing = params.temperature > 0
     drawn = lax.cond(
         jnp.any(drawing),
@@ -139,8 +139,31 @@ def draw(adjusted: jax.Array, params: SamplingArrays, index: jax.Array) -> jax.A
 
 
 def _logprobs(logits: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(logprob of token, top MAX_LOGPROBS logprobs, their ids) of the raw logits."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lps, top_ids = sampling.top_logprobs(logprobs)
-    chosen = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-    return chosen, top_lps, top_ids.astype(jnp.int32)
+    """(logprob of token, top MAX_LOGPROBS logprobs, their ids) of the raw logits: the
+    best logits less the row's logsumexp (no log-softmax of the whole row written)."""
+    total = jax.nn.logsumexp(logits, axis=-1)
+    best, ids = sampling.top_logprobs(logits)  # the logits' order is the logprobs'
+    chosen = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0] - total
+    return chosen, best - total[:, None], ids.astype(jnp.int32)
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """engine.sampling.apply_token_bitmask's result in whole 128-lane rows: each lane of a
+    row of 128 tokens takes the byte of its word that holds its bit through a product with
+    a 0/1 matrix (exact: one nonzero term, a byte, per lane), where spreading each word
+    to 32 lanes would be a relayout of every row (~14 passes over it in XLA's count)."""
+    rows, vocab = logits.shape
+    groups = -(-vocab // 128)  # 128 tokens: 4 words, 16 bytes
+    words = jnp.pad(bitmask, ((0, 0), (0, 4 * groups - bitmask.shape[1])))
+    shifts = jnp.arange(0, 32, 8, dtype=jnp.int32)
+    octets = ((words[:, :, None] >> shifts) & 255).reshape(rows, groups, 16)
+    lane = jnp.arange(128, dtype=jnp.int32)
+    spread = lane[None, :] // 8 == jnp.arange(16, dtype=jnp.int32)[:, None]  # (16, 128)
+    per_lane = jnp.einsum(
+        "rgk,kl->rgl",
+        octets.astype(jnp.bfloat16),  # 0..255: exact
+        spread.astype(jnp.bfloat16),
+        preferred_element_type=jnp.float32,
+    ).astype(jnp.int32)
+    bits = ((per_lane >> (lane % 8)) & 1).reshape(rows, groups * 128)[:, :vocab]
+    return jnp.where(bits == 1, logits, -jnp.inf)

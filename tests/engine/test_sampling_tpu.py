@@ -103,3 +103,15 @@ def test_logprobs_are_the_raw_logits_log_softmax(logits: np.ndarray) -> None:
     want = np.asarray(jax.nn.log_softmax(jnp.asarray(logits)))
     np.testing.assert_allclose(out.logprob, want[out.token], atol=1e-5)
     np.testing.assert_array_equal(out.top_ids[0, :5], np.argsort(-want)[:5])
+
+
+@pytest.mark.parametrize("vocab", [32, 1000, 128256])
+def test_the_bitmask_spread_by_a_product_masks_as_engine_sampling_does(vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    words = -(-vocab // 32)
+    bitmask = jnp.asarray(rng.integers(-(2**31), 2**31, (3, words), dtype=np.int64), jnp.int32)
+    bitmask = bitmask.at[2].set(-1)  # every token allowed: the row is kept bit for bit
+    logits = jnp.asarray(rng.standard_normal((3, vocab)), jnp.float32)
+    want = sampling.apply_token_bitmask(logits, bitmask)
+    got = jax.jit(sampling_tpu.apply_token_bitmask)(logits, bitmask)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
