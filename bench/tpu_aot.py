@@ -84,7 +84,7 @@ from bench.tpu_roofline import (
 from engine.attention import AttentionBatch, KVLayout
 from engine.attention.kv_dtype import KV_CACHE_DTYPES, storage_dtype
 from engine.attention.tpu import PallasAttention
-from engine.core.core import backend_numerics
+from engine.core.core import CHUNK_SIZE, backend_numerics
 from engine.core.memory import TEMPORARY_HEADROOM, KVBudget
 from engine.core.runner import Shapes, prompt_logprobs_program, step_program
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
@@ -544,7 +544,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--chip-peaks", default=None, help="FLOPS,BYTES_PER_S of a chip (default: its own)"
     )
-    parser.add_argument("--chunk", type=int, default=256, help="prompt tokens per step")
+    parser.add_argument(
+        "--chunk", type=int, default=CHUNK_SIZE["tpu"], help="prompt tokens per step"
+    )
     parser.add_argument(
         "--programs",
         default="decode,prefill,mixed,prompt-logprobs",
