@@ -17,7 +17,8 @@ from engine.core.core import CHUNK_SIZE  # noqa: E402
 # beside a 128,256-token head and sampling's passes over it, and a chunk's activations
 # all counted in HBM: looser than the full models' (bench/README.md, "TPU programs").
 DECODE_RATIO = 1.35
-PREFILL_RATIO = 1.7
+PREFILL_RATIO = 1.85  # chunks of 512 (TPU's): a chunk's activations outweigh 2 layers
+QUANT_DECODE_RATIO = 1.6  # int8 weights: sampling's passes weigh more beside them
 # The attention kernel's FLOPs over causal attention's: head folding (head_dim 64, two
 # kv heads a row of lanes) doubles them and whole blocks of positions add the rest; a
 # decode row multiplied against its block's other rows' KV would be 16x here.
@@ -79,7 +80,7 @@ def test_paged_programs_compile_fit_and_stay_near_their_roofline(
 
 
 def test_a_program_that_does_not_fit_is_reported() -> None:
-    report = run("8b", "v5e:2x2", 4, "decode", "--num-pages", "70000")
+    report = run("8b", "v5e:2x2", 4, "decode", "--num-pages", "600000")
     for p in report["programs"]:
         assert not p["compiled"] or p["peak_bytes_per_chip"] > p["hbm_bytes_per_chip"], p
         assert p["error"] and ("HBM" in p["error"] or "bytes" in p["error"]), p
@@ -101,7 +102,7 @@ def test_int8_weights_halve_the_bytes_a_decode_step_reads() -> None:
     programs = by_name(quant)
     for key, p in programs.items():
         assert p["compiled"] and p["error"] is None, (key, p["error"])
-        assert 1.0 <= p["ratio"] <= DECODE_RATIO, p
+        assert 1.0 <= p["ratio"] <= QUANT_DECODE_RATIO, p
         assert p["bytes_accessed"] < base[key]["bytes_accessed"], key
     one = ("decode-1", "greedy", "full")
     assert programs[one]["bytes_accessed"] <= 0.55 * base[one]["bytes_accessed"]
