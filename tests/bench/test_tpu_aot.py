@@ -95,7 +95,8 @@ def test_chip_peaks_set_the_roofline() -> None:
 
 def test_int8_weights_halve_the_bytes_a_decode_step_reads() -> None:
     """--quantization int8 with an fp8 KV cache: the 1-sequence decode step (its bytes the
-    weights', mostly) reads at most 0.55x the bfloat16 step's, every step within the bounds
+    weights', mostly; sampling's passes over the logits are not halved) reads at most
+    0.56x the bfloat16 step's, every step within the bounds
     above against its own (int8 and fp8) unavoidable bytes."""
     base = by_name(run("1b", "v5e:2x2", 1, "decode"))
     quant = run("1b", "v5e:2x2", 1, "decode", "--quantization", "int8", "--kv-cache-dtype", "fp8")
@@ -105,4 +106,4 @@ def test_int8_weights_halve_the_bytes_a_decode_step_reads() -> None:
         assert 1.0 <= p["ratio"] <= QUANT_DECODE_RATIO, p
         assert p["bytes_accessed"] < base[key]["bytes_accessed"], key
     one = ("decode-1", "greedy", "full")
-    assert programs[one]["bytes_accessed"] <= 0.55 * base[one]["bytes_accessed"]
+    assert programs[one]["bytes_accessed"] <= 0.56 * base[one]["bytes_accessed"]
