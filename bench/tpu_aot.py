@@ -3,36 +3,42 @@
 Run: `python -m bench.tpu_aot --config 1b --topology v5e:2x2 --tensor-parallel-size 1
 --max-num-seqs 64 --max-model-len 4096 --json out.json` (needs libtpu: `pip install
 "jax[tpu]==0.10.2"`; no TPU). Writes `{"setup": ..., "programs": [...]}`, one entry per
-program with name, kind, batch (sequences), tokens, compiled, error, compile_s,
-peak_bytes_per_chip, hbm_bytes_per_chip, bytes_accessed, unavoidable_bytes and ratio,
-every figure per chip.
+program and batch with name, kind, batch (sequences), tokens, sampling ("greedy" or
+"sampled"), contexts ("full" or "mixed"), kv_positions (the positions its sequences
+attend over, summed), compiled, error, compile_s, peak_bytes_per_chip,
+hbm_bytes_per_chip, bytes_accessed, unavoidable_bytes, ratio, flops, unavoidable_flops,
+roofline_s, unavoidable_roofline_s, time_ratio and bound ("hbm" or "flops"), every
+figure per chip; a prompt's program adds once_unavoidable_bytes, once_roofline_s and
+once_time_ratio (against one pass over the weights for the whole prompt).
 
 Programs, each the engine core's own (engine.core.runner) with abstract params in the
-checkpoint's layout and the engine's shardings:
+checkpoint's layout and the engine's shardings, the TPU's attention and sampler:
 - the step (`step_program`: the ragged batch through the model, the head,
   sampling and the penalty counts' update, its tokens read from the step before where
-  carried): `decode` with every sequence busy as long as the pages
-  allow and with one at max_model_len, a 1,024-token prompt in `--chunk`-token chunks
-  (`prefill`, bytes summed over its chunks), and `mixed` (max_num_seqs - 1 decode rows
-  beside one chunk);
+  carried): `decode-N` for 1, 8 and max_num_seqs sequences, each at the context the
+  pages allow ("full") and at contexts spread evenly over 1..that ("mixed"), greedy and
+  sampled; a 1,024-token prompt in `--chunk`-token chunks (`prefill`, summed over its
+  chunks); and `mixed` (max_num_seqs - 1 decode rows beside one chunk);
 - `prompt-logprobs` over one chunk's hidden states.
 
-bytes_accessed: HBM traffic. The step is compiled once as the server runs it (whether
-it compiles and fits: peak bytes per chip against the chip's HBM), then once more with
-a greedy batch's sampling arrays as constants, so that every sampling `cond` keeps the
-branch such a batch takes (XLA's analysis of a `cond` counts its costliest branch: the
-top-p bisection no greedy step runs), and with memory-space assignment off, so that
-every array lives in HBM and the analysis counts HBM traffic only (an upper bound:
-the real program keeps some of it in VMEM). XLA cannot see into the Pallas attention
-kernel: for each block of its queries, each sequence in it reads its pages in whole
-blocks of engine.attention.tpu.kv_pages_per_block pages (the kernel copies whole
-blocks), plus its queries and outputs; that is added. xla_bytes_accessed is XLA's own
-figure of the real program plus the same kernel bytes: VMEM traffic included, every
-cond at its costliest branch. unavoidable_bytes: the weights a step must read on the
-chip (an untied embedding only its gathered rows; a tied one is the head), each
-sequence's live K/V read once, and the new K/V written. ratio: bytes_accessed over
-unavoidable_bytes.
+Each program is compiled once, as the server compiles it (its sampling arrays are
+arguments) but for memory-space assignment, which is off: every array lives in HBM, so
+XLA's cost analysis counts HBM traffic only (with it on, a weight staged into VMEM is
+counted when copied in and again when read), an upper bound on the real program's, and
+the peak it reports bounds the real program's HBM. XLA counts each `cond` at its
+costliest branch, so one figure serves every batch of that shape: a greedy batch and a
+sampled one (temperature 0.7, top-p 0.9, top-k 50, a presence penalty, logprobs 5) read
+the same figure, which also counts the logit-bias and allowed-token branches neither
+takes. XLA cannot see into the Pallas attention kernel; bench.tpu_roofline.kernel_work
+adds what it moves and computes by its block rules (engine.attention.tpu.kernel_calls).
+unavoidable_bytes: the weights a step must read on the chip (an untied embedding only
+its gathered rows; a tied one is the head), each sequence's live K/V read once, and the
+new K/V written; unavoidable_flops: bench.tpu_roofline.useful_flops. roofline_s:
+max(flops / peak FLOP/s, bytes / HBM bandwidth) a step, summed over a prompt's chunks
+(the chip's peaks: bench.tpu_roofline.CHIP_PEAKS, or `--chip-peaks`).
 
+`--num-pages memory` sizes the pool as the engine does on a chip (engine.core.memory:
+0.9 of HBM less the temporaries' headroom and the weights).
 `--quantization int8` compiles against int8 weights with their scales (engine.quant) and
 `--kv-cache-dtype fp8` against fp8 pages (engine.attention.kv_dtype): unavoidable_bytes
 then counts those bytes, so bytes_accessed against a bfloat16 run of the same setup is
@@ -50,7 +56,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,19 +69,33 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench.model_shapes import CONFIGS, checkpoint_shapes, model_config
+from bench.tpu_report import GIB, Program, summary
+from bench.tpu_roofline import (
+    CHIP_PEAKS,
+    Peaks,
+    StepShape,
+    Work,
+    attention_flops,
+    kernel_work,
+    matmul_elements,
+    ratio,
+    spread,
+    useful_flops,
+)
 from engine.attention import AttentionBatch, KVLayout
 from engine.attention.kv_dtype import KV_CACHE_DTYPES, storage_dtype
-from engine.attention.tpu import PallasAttention, kv_pages_per_block, queries_per_block
-from engine.core.core import backend_numerics
+from engine.attention.tpu import PallasAttention
+from engine.core.core import CHUNK_SIZE, backend_numerics
+from engine.core.memory import TEMPORARY_HEADROOM, KVBudget
 from engine.core.runner import Shapes, prompt_logprobs_program, step_program
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
 from engine.paged_model import StepBatch
 from engine.quant import QUANTIZATIONS, quantized_shapes
-from engine.sampling import SamplingArrays, host_arrays
+from engine.sampling import SamplingArrays
+from engine.sampling_tpu import backend_sampler
 from engine.token_mask import mask_words
-from engine.types import MAX_LOGIT_BIAS, SamplingParams
+from engine.types import MAX_LOGIT_BIAS
 
-GIB = 1 << 30
 # XLA's memory-space assignment for v5e/v5p ("vf") and v6e ("gf") off: every array stays
 # in HBM, so the cost analysis counts HBM traffic only (see the module docstring).
 HBM_ONLY = {
@@ -85,7 +105,8 @@ HBM_ONLY = {
 # HBM per chip (public specifications): what the programs and the KV pages must fit.
 HBM_BYTES = {"TPU v5 lite": 16 * GIB, "TPU v6 lite": 32 * GIB, "TPU v5": 95 * GIB}
 PROMPT = 1024  # the prefill program's prompt
-DEFAULT_PAGE_SIZE = 128
+DEFAULT_PAGE_SIZE = 16  # the server's (server.config.ServerConfig.page_size)
+SAMPLINGS = ("greedy", "sampled")
 
 
 @dataclass(frozen=True)
@@ -103,30 +124,7 @@ class Setup:
     chunk: int
     quantization: str = "none"  # engine.quant: "int8" weights
     kv_cache_dtype: str = "auto"  # engine.attention.kv_dtype
-
-
-@dataclass
-class Program:
-    name: str
-    kind: str
-    batch: int
-    tokens: int
-    compiled: bool = False
-    error: str | None = None
-    compile_s: float = 0.0
-    peak_bytes_per_chip: int = 0
-    hbm_bytes_per_chip: int = 0
-    bytes_accessed: float = 0.0  # HBM traffic of a greedy batch's step + the kernel's
-    unavoidable_bytes: float = 0.0
-    ratio: float | None = None
-    xla_bytes_accessed: float = 0.0  # XLA's own figure (module docstring)
-
-    def add(self, hbm: float, xla: float, kernel: float, unavoidable: float) -> None:
-        """One step's figures (a prompt's chunks add theirs in turn)."""
-        self.bytes_accessed += hbm + kernel
-        self.xla_bytes_accessed += xla + kernel
-        self.unavoidable_bytes += unavoidable
-        self.ratio = round(self.bytes_accessed / self.unavoidable_bytes, 3)
+    chip_peaks: str | None = None  # "FLOPS,BYTES_PER_S"; default: CHIP_PEAKS
 
 
 def placed(shapes: Any, shardings: Any) -> Any:
@@ -189,23 +187,32 @@ class Harness:
         self.mesh = Mesh(np.array(devices[:tp]), (MODEL_AXIS,))
         self.device_kind = devices[0].device_kind
         self.hbm = HBM_BYTES.get(self.device_kind, 0)
+        if setup.chip_peaks is not None:
+            self.peaks = Peaks.parse(setup.chip_peaks)
+        elif self.device_kind in CHIP_PEAKS:
+            self.peaks = Peaks(*CHIP_PEAKS[self.device_kind])
+        else:
+            raise ValueError(f"no peaks known for {self.device_kind}: pass --chip-peaks")
         self.cfg = backend_numerics(model_config(setup.config, setup.layers, tp), "tpu")
         self.dtype = jnp.dtype(setup.dtype)
         self.whole = NamedSharding(self.mesh, PartitionSpec())
         fold = 128 // self.cfg.head_dim if self.cfg.head_dim < 128 else 1
-        self.layout = KVLayout(
-            setup.num_pages,
-            setup.page_size,
-            self.cfg.num_kv_heads,
-            self.cfg.head_dim,
-            storage_dtype(setup.kv_cache_dtype, setup.dtype),
-            fold,
-        )
-        self.attention = PallasAttention(self.layout, self.mesh)
         shapes = checkpoint_shapes(self.cfg, self.dtype, slot_layout=False)
         self.params = placed(shapes, checkpoint_param_shardings(shapes, self.cfg, self.mesh))
         if setup.quantization == "int8":
             self.params = quantized_shapes(self.params)
+        kv_dtype = storage_dtype(setup.kv_cache_dtype, setup.dtype)
+        probe = KVLayout(
+            1, setup.page_size, self.cfg.num_kv_heads, self.cfg.head_dim, kv_dtype, fold
+        )
+        if setup.num_pages <= 0:  # memory-sized, as engine.core.memory sizes the pool
+            usable = int(self.hbm * (KVBudget().memory_utilization - TEMPORARY_HEADROOM))
+            page = probe.page_bytes * self.cfg.num_layers // tp
+            setup = self.setup = replace(
+                setup, num_pages=(usable - per_chip_bytes(self.params)) // page
+            )
+        self.layout = replace(probe, num_pages=setup.num_pages)
+        self.attention = PallasAttention(self.layout, self.mesh)
         pages_sharding = NamedSharding(self.mesh, PartitionSpec(None, None, MODEL_AXIS, None))
         layout = self.layout
         one = jax.ShapeDtypeStruct(layout.shape, layout.array_dtype, sharding=pages_sharding)
@@ -216,7 +223,7 @@ class Harness:
         )
         self.programs: list[Program] = []
 
-    # -- what a step must move, per chip ------------------------------------------------
+    # -- what a step must do, per chip ------------------------------------------------
     def kv_token_bytes(self) -> int:
         """One position's K and V in every layer, on one chip (unpadded)."""
         per_chip = self.cfg.num_kv_heads // self.setup.tensor_parallel_size
@@ -230,67 +237,81 @@ class Harness:
             total += tokens * self.cfg.hidden_size * np.dtype(embed.dtype).itemsize
         return float(total)
 
-    def unavoidable(self, params: Any, seqs: Sequences) -> float:
+    def shape(self, seqs: Sequences) -> StepShape:
+        tp = self.setup.tensor_parallel_size
+        return StepShape(
+            self.cfg.num_layers,
+            self.cfg.num_heads // tp,
+            self.cfg.head_dim,
+            seqs.q_lens,
+            seqs.kv_lens,
+        )
+
+    def unavoidable(self, seqs: Sequences) -> Work:
+        """The weights once, each sequence's live K/V once, the new K/V written; useful
+        FLOPs (bench.tpu_roofline.useful_flops)."""
         live = sum(seqs.kv_lens) - sum(seqs.q_lens)  # positions read before the step
         new = sum(seqs.q_lens)
-        return self.weight_bytes(params, new) + (live + new) * self.kv_token_bytes()
+        moved = self.weight_bytes(self.params, new) + (live + new) * self.kv_token_bytes()
+        layers = matmul_elements(self.params["layers"])
+        head = matmul_elements(self.params.get("lm_head", self.params["embed"]))
+        return Work(moved, useful_flops(layers, head, self.shape(seqs)))
 
-    def kernel_bytes(self, seqs: Sequences, tokens: int) -> float:
-        """What the Pallas kernel moves, per chip, over all layers (module docstring)."""
-        layout, tp = self.layout, self.setup.tensor_parallel_size
-        block = kv_pages_per_block(layout, self.pages_per_seq)
-        per_q = queries_per_block(tokens)
-        page = layout.page_bytes // tp
-        pages = 0
-        start = 0
-        for q_len, kv_len in zip(seqs.q_lens, seqs.kv_lens, strict=True):
-            q_blocks = len(range(start // per_q, (start + q_len - 1) // per_q + 1))
-            needed = -(-kv_len // layout.page_size)
-            pages += q_blocks * (-(-needed // block)) * block
-            start += q_len
-        heads = self.cfg.num_heads // tp
-        q_and_out = 2 * tokens * heads * layout.lanes * self.dtype.itemsize
-        return float((pages * page + q_and_out) * self.cfg.num_layers)
+    def kernel(self, seqs: Sequences, tokens: int) -> Work:
+        """What the Pallas kernel moves and computes, per chip, over all layers."""
+        return kernel_work(
+            self.layout,
+            self.shape(seqs),
+            tokens,
+            self.pages_per_seq,
+            self.setup.tensor_parallel_size,
+            self.dtype.itemsize,
+        )
+
+    def full_context(self, count: int) -> int:
+        """Each of `count` busy sequences as long as the pages hold, at most max_model_len."""
+        setup = self.setup
+        return min(setup.max_model_len, setup.num_pages // count * setup.page_size)
 
     # -- compiling --------------------------------------------------------------------
     def _compile(
         self,
-        program: Program,
+        programs: Sequence[Program],
         fn: Callable[..., Any],
         args: Sequence[Any],
         donate: tuple[int, ...],
-        greedy: Callable[..., Any],
-        greedy_args: Sequence[Any],
-    ) -> tuple[float, float] | None:
-        """Compiles `fn` as the server does, records whether it compiled and fits, then
-        compiles `greedy` (the same step with a greedy batch's sampling arrays as
-        constants, so each sampling cond keeps only the branch such a batch takes) with
-        every array in HBM. Returns (that one's bytes accessed, XLA's figure of `fn`)."""
+    ) -> Work | None:
+        """Compiles `fn` once, as the server does but with memory-space assignment off
+        (module docstring); records on each of `programs` whether it compiled and fits.
+        Returns XLA's bytes and FLOPs of it."""
         start = time.perf_counter()
+        error = None
         try:
             with jax.default_device(self.mesh.devices.flat[0]):  # Pallas asks the device kind
-                compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+                lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+                compiled = lowered.compile(compiler_options=HBM_ONLY)
         except Exception as exc:  # a program that does not compile is a result
-            program.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}"
-            program.compile_s = round(time.perf_counter() - start, 2)
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}"
+        seconds = round(time.perf_counter() - start, 2)
+        peak = 0
+        if error is None:
+            memory = compiled.memory_analysis()
+            peak = int(
+                memory.argument_size_in_bytes
+                + memory.output_size_in_bytes
+                + memory.temp_size_in_bytes
+                - memory.alias_size_in_bytes
+            )
+            if self.hbm and peak > self.hbm:
+                error = f"needs {peak} bytes of {self.hbm} per chip"
+        for program in programs:
+            program.compile_s, program.error = seconds, error
+            program.compiled = peak > 0
+            program.peak_bytes_per_chip, program.hbm_bytes_per_chip = peak, self.hbm
+        if error is not None:
             return None
-        program.compile_s = round(time.perf_counter() - start, 2)
-        program.compiled = True
-        memory = compiled.memory_analysis()
-        program.hbm_bytes_per_chip = self.hbm
-        program.peak_bytes_per_chip = int(
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            + memory.temp_size_in_bytes
-            - memory.alias_size_in_bytes
-        )
-        if self.hbm and program.peak_bytes_per_chip > self.hbm:
-            program.error = f"needs {program.peak_bytes_per_chip} bytes of {self.hbm} per chip"
-            return None
-        with jax.default_device(self.mesh.devices.flat[0]):
-            lowered = jax.jit(greedy, donate_argnums=donate).lower(*greedy_args)
-            traffic = lowered.compile(compiler_options=HBM_ONLY)
-        return _bytes_accessed(traffic), _bytes_accessed(compiled)
+        cost = compiled.cost_analysis()
+        return Work(float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0)))
 
     def _batch(self, count: int, tokens: int) -> StepBatch:
 
@@ -305,27 +326,15 @@ class Harness:
             last=a(count),
         )
 
-    def paged(self, name: str, kind: str, seqs: Sequences, repeat: int = 1) -> Program:
-        """The step for this ragged batch; `repeat` > 1 sums consecutive chunks of one
-        prompt (seqs then lists their kv_lens in turn, one sequence each)."""
-        steps = [
-            Sequences(seqs.q_lens, seqs.kv_lens)
-            if repeat == 1
-            else Sequences((seqs.q_lens[0],), (kv,))
-            for kv in (seqs.kv_lens if repeat > 1 else (0,))
-        ]
-        first = steps[0]
-        real = sum(first.q_lens)
-        program = Program(name, kind, batch=len(first.q_lens), tokens=real * len(steps))
-        # the bucket the runner pads this batch to (padding sequences read no pages)
-        tokens, count = self.shapes.bucket(real, len(first.q_lens))
+    def step_args(self, count: int, tokens: int) -> tuple[Any, ...]:
+        """The step's arguments as the runner passes them, for a (tokens, count) bucket."""
         vocab = self.cfg.vocab_size
         whole = self.whole
 
         def ints(*shape: int, dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
 
-        args = (
+        return (
             self.params,
             self.pages,
             ints(self.setup.max_num_seqs, vocab),  # penalty counts per device row
@@ -340,29 +349,50 @@ class Harness:
             ints(vocab, dtype=bool),  # eos mask
             jax.ShapeDtypeStruct((self.cfg.head_dim // 2,), jnp.float32, sharding=whole),
         )
-        step = functools.partial(step_program, cfg=self.cfg, attention=self.attention)
-        greedy = host_arrays(SamplingParams(temperature=0.0, seed=0), vocab)
-        sampling = SamplingArrays(*(np.stack([a] * count) for a in greedy))
 
-        generated = np.zeros((count,), np.int32)
-
-        def greedy_step(*abstract: Any) -> Any:
-            *lead, eos, inv_freq = abstract
-            return step(*lead, sampling, generated, eos, inv_freq)
-
-        greedy_args = args[:9] + args[11:]
-        measured = self._compile(program, step, args, (1, 2, 3), greedy_step, greedy_args)
-        if measured is not None:
-            for part in steps:
-                kernel = self.kernel_bytes(part, tokens)
-                program.add(*measured, kernel, self.unavoidable(self.params, part))
-        self.programs.append(program)
-        return program
+    def paged(
+        self, name: str, kind: str, variants: Sequence[tuple[str, str, Sequence[Sequences]]]
+    ) -> list[Program]:
+        """The step compiled once for the bucket of the variants' batches (each variant:
+        its sampling, its contexts and its steps, in turn: a prompt's chunks, one step
+        otherwise); one Program per variant. XLA's figures are the compiled program's;
+        the kernel's and the unavoidable work are each batch's own."""
+        first = variants[0][2][0]
+        real = sum(first.q_lens)
+        programs = [
+            Program(
+                name,
+                kind,
+                batch=len(first.q_lens),
+                tokens=real * len(steps),
+                sampling=sampling,
+                contexts=contexts,
+                kv_positions=sum(sum(step.kv_lens) for step in steps),
+            )
+            for sampling, contexts, steps in variants
+        ]
+        # the bucket the runner pads this batch to (padding sequences read no pages)
+        tokens, count = self.shapes.bucket(real, len(first.q_lens))
+        step = functools.partial(
+            step_program, cfg=self.cfg, attention=self.attention, sampler=backend_sampler("tpu")
+        )
+        xla = self._compile(programs, step, self.step_args(count, tokens), (1, 2, 3))
+        if xla is not None:
+            for program, (_, _, steps) in zip(programs, variants, strict=True):
+                useful = 0.0
+                for part in steps:
+                    kernel = self.kernel(part, tokens)
+                    program.add(xla + kernel, self.unavoidable(part), self.peaks)
+                    program.kernel_flops += kernel.flops
+                    useful += attention_flops(self.shape(part))
+                program.attention_flops_ratio = ratio(program.kernel_flops, useful)
+        self.programs.extend(programs)
+        return programs
 
     def prompt_logprobs(self, tokens: int) -> Program:
         """The prompt-logprobs program over one step's hidden states (engine.core.runner):
         the head over every token, a log-softmax, the chosen and the best logprobs."""
-        program = Program(f"prompt-logprobs-{tokens}", "prompt-logprobs", 1, tokens)
+        program = Program(f"prompt-logprobs-{tokens}", "prompt-logprobs", 1, tokens, None)
         whole = self.whole
         args = (
             self.params,
@@ -370,39 +400,55 @@ class Harness:
             jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=whole),
         )
         fn = functools.partial(prompt_logprobs_program, cfg=self.cfg)
-        measured = self._compile(program, fn, args, (), fn, args)
-        if measured is not None:
+        xla = self._compile([program], fn, args, ())
+        if xla is not None:
             head = self.params.get("lm_head", self.params["embed"])
             must = per_chip_bytes(head) + tokens * self.cfg.hidden_size * self.dtype.itemsize
-            program.add(*measured, 0.0, float(must))
+            useful = 2.0 * tokens * matmul_elements(head)
+            program.add(xla, Work(float(must), useful), self.peaks)
         self.programs.append(program)
         return program
 
     def run(self, which: Sequence[str]) -> list[Program]:
         setup = self.setup
-        n, ctx, chunk = setup.max_num_seqs, setup.max_model_len, setup.chunk
-        # each busy sequence as long as the pages hold, at most max_model_len
-        held = min(ctx, setup.num_pages // n * setup.page_size)
+        n, chunk = setup.max_num_seqs, setup.chunk
         if "decode" in which:
-            self.paged(f"decode-{n}", "decode", Sequences((1,) * n, (held,) * n))
-            self.paged("decode-1", "decode", Sequences((1,), (ctx,)))
+            for count in sorted({c for c in (1, 8, n) if c <= n}):
+                full = self.full_context(count)
+                batches = {
+                    "full": Sequences((1,) * count, (full,) * count),
+                    "mixed": Sequences((1,) * count, spread(full, count)),
+                }
+                variants = [
+                    (sampling, contexts, [seqs])
+                    for sampling in SAMPLINGS
+                    for contexts, seqs in batches.items()
+                ]
+                self.paged(f"decode-{count}", "decode", variants)
         if "prefill" in which:
-            ends = tuple(range(chunk, PROMPT + 1, chunk))
-            self.paged(f"prefill-{PROMPT}", "prefill", Sequences((chunk,), ends), len(ends))
+            ends = range(chunk, PROMPT + 1, chunk)
+            steps = [Sequences((chunk,), (end,)) for end in ends]
+            (program,) = self.paged(f"prefill-{PROMPT}", "prefill", [("sampled", "full", steps)])
+            if program.compiled:
+                program.once(self.weight_bytes(self.params, chunk), len(steps), self.peaks)
         if "mixed" in which:
+            held = self.full_context(n)
             q_lens = (1,) * (n - 1) + (chunk,)
-            self.paged(f"mixed-{n}", "mixed", Sequences(q_lens, (held,) * (n - 1) + (PROMPT,)))
+            seqs = Sequences(q_lens, (held,) * (n - 1) + (PROMPT,))
+            self.paged(f"mixed-{n}", "mixed", [("sampled", "full", [seqs])])
         if "prompt-logprobs" in which:
             self.prompt_logprobs(chunk)
         return self.programs
 
 
-def _bytes_accessed(compiled: Any) -> float:
-    return float(compiled.cost_analysis().get("bytes accessed", 0.0))
-
-
 def default_pages(setup_args: argparse.Namespace) -> int:
-    """Pages for max_num_seqs sequences of max_model_len, one spare per sequence."""
+    """--num-pages: a count; "memory": what the chip's HBM holds beside the weights (0
+    here, sized by the Harness); default: max_num_seqs sequences of max_model_len, one
+    spare page each."""
+    if setup_args.num_pages == "memory":
+        return 0
+    if setup_args.num_pages is not None:
+        return int(setup_args.num_pages)
     per_seq = -(-setup_args.max_model_len // setup_args.page_size)
     return setup_args.max_num_seqs * per_seq + setup_args.max_num_seqs
 
@@ -422,8 +468,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    parser.add_argument("--num-pages", type=int, default=None, help="default: every sequence full")
-    parser.add_argument("--chunk", type=int, default=256, help="prompt tokens per step")
+    parser.add_argument(
+        "--num-pages", default=None, help='a count, or "memory"; default: every sequence full'
+    )
+    parser.add_argument(
+        "--chip-peaks", default=None, help="FLOPS,BYTES_PER_S of a chip (default: its own)"
+    )
+    parser.add_argument(
+        "--chunk", type=int, default=CHUNK_SIZE["tpu"], help="prompt tokens per step"
+    )
     parser.add_argument(
         "--programs",
         default="decode,prefill,mixed,prompt-logprobs",
@@ -445,10 +498,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         layers=args.layers,
         dtype=args.dtype,
         page_size=args.page_size,
-        num_pages=args.num_pages or default_pages(args),
+        num_pages=default_pages(args),
         chunk=args.chunk,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        chip_peaks=args.chip_peaks,
     )
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # TPU programs cannot load here
@@ -458,21 +512,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
     report = {
-        "setup": dataclasses.asdict(setup) | {"device_kind": harness.device_kind},
+        "setup": dataclasses.asdict(harness.setup)
+        | {"device_kind": harness.device_kind, "peaks": dataclasses.asdict(harness.peaks)},
         "programs": [dataclasses.asdict(p) for p in programs],
     }
     text = json.dumps(report, indent=1)
     if args.json is not None:
         args.json.write_text(text)
     for p in programs:
-        ratio = "-" if p.ratio is None else f"{p.ratio:.2f}x"
-        print(
-            f"{p.name:>20} compiled={p.compiled} {p.bytes_accessed / 1e9:8.2f} GB "
-            f"/ {p.unavoidable_bytes / 1e9:7.2f} GB = {ratio:>8}  (XLA's figure "
-            f"{p.xla_bytes_accessed / 1e9:.2f} GB)  peak {p.peak_bytes_per_chip / GIB:.2f} GiB  "
-            f"{p.compile_s:.1f} s" + (f"  ERROR {p.error}" if p.error else ""),
-            file=sys.stderr,
-        )
+        print(summary(p), file=sys.stderr)
     return report
 
 

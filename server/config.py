@@ -41,7 +41,9 @@ class ServerConfig:
     # per KV page.
     max_num_seqs: int = 8
     max_num_batched_tokens: int | None = None  # None: prefill_chunk + max_num_seqs
-    prefill_chunk: int = 256  # a multiple of page_size (rounded down to one)
+    # a multiple of page_size (rounded down to one); None: the backend's (256; TPU 512,
+    # engine.core.core.CHUNK_SIZE)
+    prefill_chunk: int | None = None
     page_size: int = 16
     prefix_caching: bool = True  # prompts share cached leading pages (vLLM's default)
     async_scheduling: bool = True  # the core plans step N + 1 while step N runs
@@ -113,7 +115,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.prefill_chunk < self.page_size:
+        if self.prefill_chunk is not None and self.prefill_chunk < self.page_size:
             raise ValueError(
                 f"prefill_chunk must be at least page_size ({self.page_size}), "
                 f"got {self.prefill_chunk}"
@@ -191,11 +193,14 @@ class ServerConfig:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
 
     @property
-    def batched_tokens(self) -> int:
+    def batched_tokens(self) -> int | None:
         """The tokens one step takes: by default a whole prompt chunk beside every decode
-        row, so a prompt never waits for the running sequences to finish."""
+        row, so a prompt never waits for the running sequences to finish (None: the
+        backend's chunk decides, in the engine core)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
+        if self.prefill_chunk is None:
+            return None
         return self.prefill_chunk + self.max_num_seqs
 
     @property
@@ -296,7 +301,10 @@ _FLAGS: dict[str, tuple[object, str]] = {
         "tokens one step takes: every decode row, then prompt chunks "
         "(default prefill-chunk + max-num-seqs)",
     ),
-    "prefill_chunk": (int, "prompt positions one step computes of a prompt (page multiple)"),
+    "prefill_chunk": (
+        int,
+        "prompt positions one step computes of a prompt (page multiple; default 256, TPU 512)",
+    ),
     "page_size": (int, "positions per KV page"),
     "prefix_caching": (_switch, "share prompts' cached leading pages (default on)"),
     "async_scheduling": (_switch, "plan the next step while one runs (default on)"),

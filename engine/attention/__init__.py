@@ -11,7 +11,8 @@ Backends (each an `Attention`):
   and CPU when the scheduler's chunk bounds are not given).
 - engine.attention.cpu: XLA:CPU; decode groups and query tiles that read only their
   live pages, bit-identical per sequence whatever the batch (bench.attention_bench).
-- engine.attention.tpu: jax's Pallas ragged paged attention kernel (TPU).
+- engine.attention.tpu: jax's Pallas ragged paged attention kernel (TPU), decode rows in
+  blocks of their own query, prompt chunks in a second call.
 """
 
 from __future__ import annotations

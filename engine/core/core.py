@@ -47,8 +47,8 @@ class CoreConfig:
     dtype: str = "float32"
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None: the model's, at most DEFAULT_MAX_MODEL_LEN
-    max_num_batched_tokens: int = 256
-    chunk_size: int = 128  # prompt positions per chunk
+    max_num_batched_tokens: int | None = 256  # None: a chunk + every row
+    chunk_size: int | None = 128  # prompt positions per chunk; None: the backend's
     max_prefill_seqs: int = 4  # prompt chunks per step
     page_size: int = 16
     num_pages: int | None = None  # or from kv_cache_memory_bytes / the devices
@@ -74,7 +74,7 @@ class CoreConfig:
         if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give at most one of num_pages and kv_cache_memory_bytes")
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
@@ -123,14 +123,18 @@ class EngineCore:
             else default_mesh(config.tensor_parallel_size)
         )
         platform = self.mesh.devices.flat[0].platform
+        chunk_size, batched = backend_shapes(config, platform)
+        config = self.config = replace(
+            config, chunk_size=chunk_size, max_num_batched_tokens=batched
+        )
         cfg = self.model_config = backend_numerics(cfg, platform)
         fold = 128 // cfg.head_dim if platform == "tpu" and cfg.head_dim < 128 else 1
         kv_dtype = storage_dtype(config.kv_cache_dtype, config.dtype)
         bits = platform == "cpu"  # KVLayout.bits: XLA:CPU's 16/8-bit float scatters
         probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold, bits)
         # A chunk fits beside every decode row, so a prompt never waits for them to end.
-        room = config.max_num_batched_tokens - config.max_num_seqs
-        chunk = max(config.page_size, min(config.chunk_size, room))
+        room = batched - config.max_num_seqs
+        chunk = max(config.page_size, min(chunk_size, room))
         chunk -= chunk % config.page_size
         self.chunk_size = chunk
         params = self._params(config.model_path, cfg, platform)
@@ -171,14 +175,14 @@ class EngineCore:
                 self.mesh,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_len,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=batched,
                 chunk_size=chunk,
                 max_prefill_seqs=config.max_prefill_seqs,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=batched,
                 max_model_len=max_len,
                 chunk_size=chunk,
                 max_prefill_seqs=config.max_prefill_seqs,
@@ -200,7 +204,7 @@ class EngineCore:
             self.mesh,
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_len,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=batched,
             eos_token_ids=cfg.eos_token_ids,
         )
         self.kv_cache_bytes = layout.page_bytes * num_pages * cfg.num_layers
@@ -305,6 +309,21 @@ class EngineCore:
         """Wait for a launched step and take its tokens."""
         result = self.runner.collect(pending.plan, pending.launched)
         return self.scheduler.update(pending.plan, result)
+
+
+# A prompt chunk's positions per backend when the config leaves them to it. A TPU step
+# reads every weight once per chunk: a 1,024-token prompt in chunks of 256 took 1.70x the
+# roofline time of one pass over the weights (the 1B on v5e), in chunks of 512 ~1.1x
+# (bench/README.md, "TPU programs").
+CHUNK_SIZE = {"tpu": 512}
+DEFAULT_CHUNK_SIZE = 256
+
+
+def backend_shapes(config: CoreConfig, platform: str) -> tuple[int, int]:
+    """The chunk size (the backend's when the config gives None) and a step's token
+    budget (a chunk beside every decode row when None)."""
+    chunk = config.chunk_size or CHUNK_SIZE.get(platform, DEFAULT_CHUNK_SIZE)
+    return chunk, config.max_num_batched_tokens or chunk + config.max_num_seqs
 
 
 def backend_numerics(cfg: ModelConfig, platform: str) -> ModelConfig:

@@ -35,6 +35,7 @@ from engine.logprobs import top_logprobs
 from engine.model import Params
 from engine.paged_model import Chunk, StepBatch, forward, head_logits, make_batch
 from engine.sampling import Sampled, SamplingArrays, host_arrays, sample
+from engine.sampling_tpu import backend_sampler
 from engine.types import MAX_LOGPROBS, SamplingParams
 
 MODEL_AXIS = "model"
@@ -124,9 +125,11 @@ def step_program(
     *,
     cfg: ModelConfig,
     attention: Attention,
+    sampler: Callable[..., Sampled] = sample,
 ) -> tuple[Sampled, tuple[jax.Array, ...], jax.Array, jax.Array, jax.Array]:
-    """forward + sample; each emitting row's counts gain its sampled token (padding rows
-    point past the table and change nothing). A fresh row's counts are zeroed first.
+    """forward + sample (`sampler`: the backend's, engine.sampling_tpu.backend_sampler);
+    each emitting row's counts gain its sampled token (padding rows point past the table
+    and change nothing). A fresh row's counts are zeroed first.
 
     Token t is `last[carry[t]]` where carry[t] >= 0: the step before's sampled tokens,
     read on the device (a row planned before that step finished). Returns this step's
@@ -144,7 +147,7 @@ def step_program(
     )
     # Only rows with penalties read their counts (a gather of every row's is a pass over
     # (rows x vocab) that greedy steps would pay for nothing).
-    out = sample(logits, sampling, generated, counts, generated, eos_mask, count_rows=rows)
+    out = sampler(logits, sampling, generated, counts, generated, eos_mask, count_rows=rows)
     counts = counts.at[rows, out.token].add(emits.astype(jnp.int32), mode="drop")
     last = lax.dynamic_update_slice(jnp.zeros_like(last), out.token.astype(last.dtype), (0,))
     return out, pages, counts, last, x
@@ -266,7 +269,12 @@ class Runner:
         self.eos_mask = jax.device_put(eos, whole)
         self.inv_freq = jax.device_put(cfg.rope_inv_freq(), whole)
         self._step = jax.jit(
-            functools.partial(step_program, cfg=cfg, attention=attention),
+            functools.partial(
+                step_program,
+                cfg=cfg,
+                attention=attention,
+                sampler=backend_sampler(mesh.devices.flat[0].platform),
+            ),
             donate_argnums=(1, 2, 3),
         )
         self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
