@@ -94,7 +94,7 @@ from engine.quant import QUANTIZATIONS, quantized_shapes
 from engine.sampling import SamplingArrays
 from engine.sampling_tpu import backend_sampler
 from engine.token_mask import mask_words
-from engine.types import MAX_LOGIT_BIAS
+from engine.types import MAX_LOGIT_BIAS, MAX_LOGPROB_TOKEN_IDS
 
 # XLA's memory-space assignment for v5e/v5p ("vf") and v6e ("gf") off: every array stays
 # in HBM, so the cost analysis counts HBM traffic only (see the module docstring).
@@ -162,6 +162,7 @@ def sampling_shapes(rows: int, vocab: int, mesh: Mesh) -> SamplingArrays:
         bias_values=a((rows, MAX_LOGIT_BIAS), f),
         allowed=a((rows, mask_words(vocab)), i),
         masked=a((rows,), bool),
+        picked_ids=a((rows, MAX_LOGPROB_TOKEN_IDS), i),
     )
 
 
