@@ -69,29 +69,24 @@ class Shapes:
     sequences) pair of these buckets.
 
     Decode steps (up to one token a sequence) pad to powers of two of tokens and of
-    sequences; a step larger than that (a prompt chunk in it) pads to the whole token
-    budget with every sequence row. Each program is a trace and compile of every layer
-    (seconds each for a 30-layer model on a 2-core CPU, bench/README "Start-up"), so
-    steps with prompts share one program rather than one per power of two."""
+    sequences, up to `decode_tokens`; a larger step (a prompt chunk in it) pads to a
+    quarter of the token budget or to all of it, with every sequence row. Each program is
+    an XLA compile of every layer (seconds each for a 30-layer model on a 2-core CPU,
+    bench/README "Start-up"): a short prompt gets a small program, the rest share one."""
 
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     pages_per_seq: int
+    decode_tokens: int  # the largest token bucket with a program per sequence bucket
 
     @classmethod
     def of(cls, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int) -> Shapes:
         seqs = buckets(min(MIN_SEQS_BUCKET, max_num_seqs), max_num_seqs)
         smallest = min(MIN_TOKENS_BUCKET, max_num_batched_tokens)
         decode = buckets(smallest, min(max(smallest, max_num_seqs), max_num_batched_tokens))
-        tokens = (
-            decode if decode[-1] == max_num_batched_tokens else (*decode, max_num_batched_tokens)
-        )
-        return cls(tokens, seqs, pages_per_seq)
-
-    @property
-    def decode_tokens(self) -> int:
-        """The largest token bucket with a program per sequence bucket."""
-        return self.token_buckets[-2] if len(self.token_buckets) > 1 else self.token_buckets[0]
+        quarter = -(-max_num_batched_tokens // 4 // smallest) * smallest
+        larger = sorted({t for t in (quarter, max_num_batched_tokens) if t > decode[-1]})
+        return cls((*decode, *larger), seqs, pages_per_seq, decode[-1])
 
     def seq_choices(self, tokens: int) -> list[int]:
         """The sequence buckets of token bucket `tokens`."""
