@@ -81,7 +81,9 @@ def _write_tokenizer(file: Path, folder: Path) -> None:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(file.parent), gguf_file=file.name, local_files_only=True
+        )
     except Exception as exc:  # the conversion raises whatever its tokenizer model meets
         raise CheckpointError(f"{file}: cannot convert its tokenizer ({exc})") from exc
     if not getattr(tokenizer, "is_fast", False):
