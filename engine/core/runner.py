@@ -41,10 +41,9 @@ from engine.types import MAX_LOGPROBS, SamplingParams
 MODEL_AXIS = "model"
 # XLA:CPU runs a one-row product (and a 16-bit two-row one) through other kernels than
 # wider ones, which round the sums otherwise: every step's products take at least this
-# many rows, so a sequence gets the same bits alone as in a full batch. Sequences pad to
-# 8 rows: a decode step reads the weights whatever its rows, and it is a program fewer.
+# many rows, so a sequence gets the same bits alone as in a full batch.
 MIN_TOKENS_BUCKET = 8
-MIN_SEQS_BUCKET = 8
+MIN_SEQS_BUCKET = 4
 
 
 def buckets(smallest: int, largest: int) -> tuple[int, ...]:

@@ -17,7 +17,9 @@ from engine.core.core import CHUNK_SIZE  # noqa: E402
 # beside a 128,256-token head and sampling's passes over it, and a chunk's activations
 # all counted in HBM: looser than the full models' (bench/README.md, "TPU programs").
 DECODE_RATIO = 1.35
-PREFILL_RATIO = 1.85  # chunks of 512 (TPU's): a chunk's activations outweigh 2 layers
+# chunks of 512 (TPU's): a chunk's activations outweigh 2 layers; a lone chunk pads to the
+# step's whole budget, 528 tokens (engine.core.runner.Shapes): 8B at TP 4 measured 1.89-1.91
+PREFILL_RATIO = 1.95
 QUANT_DECODE_RATIO = 1.6  # int8 weights: sampling's passes weigh more beside them
 # The attention kernel's FLOPs over causal attention's: head folding (head_dim 64, two
 # kv heads a row of lanes) doubles them and whole blocks of positions add the rest; a
