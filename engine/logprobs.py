@@ -7,12 +7,14 @@ names (vLLM's logprob_token_ids). Pure functions, traced inside engine.sampling'
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from engine import rowwise
-from engine.types import MAX_LOGPROBS
+from engine.types import MAX_LOGPROB_TOKEN_IDS, MAX_LOGPROBS
 
 
 def top_logprobs(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -43,3 +45,34 @@ def raw_logprobs(
         lambda: jnp.zeros(picked_ids.shape, jnp.float32),
     )
     return chosen, top_lps, top_ids.astype(jnp.int32), picked
+
+
+Logprobs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+LogprobsOf = Callable[[jax.Array, jax.Array, jax.Array], Logprobs]
+
+
+def when_asked(
+    logits: jax.Array,
+    token: jax.Array,
+    asked: jax.Array,
+    picked_ids: jax.Array,
+    logprobs_of: LogprobsOf = raw_logprobs,
+) -> Logprobs:
+    """`logprobs_of(logits, token, picked_ids)` (a backend's form of `raw_logprobs`, in
+    Sampled's order: the token's logprob, the top logprobs, their ids, the picked ids')
+    when some row `asked`, zeros (no pass over the logits) when none did."""
+    rows = logits.shape[0]
+    chosen, top_lps, top_ids, picked = lax.cond(
+        jnp.any(asked),
+        logprobs_of,
+        lambda *_: (
+            jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
+            jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((rows, MAX_LOGPROB_TOKEN_IDS), jnp.float32),
+        ),
+        logits,
+        token,
+        picked_ids,
+    )
+    return chosen, top_ids, top_lps, picked

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from engine import rowwise
-from engine.logprobs import raw_logprobs
+from engine.logprobs import LogprobsOf, raw_logprobs, when_asked
 from engine.token_mask import token_bitmask
 from engine.types import (
     INT32_MAX,
@@ -365,21 +365,16 @@ def _sample_any(
         lambda: jnp.zeros(greedy.shape, jnp.int32),
     )
     token = jnp.where(sampling, drawn, greedy)
-    rows = logits.shape[0]
-    logprob, top_lps, top_ids, picked = lax.cond(
-        jnp.any(params.logprobs),
-        raw_logprobs,
-        lambda *_: (
-            jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
-            jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
-            jnp.zeros((rows, MAX_LOGPROB_TOKEN_IDS), jnp.float32),
-        ),
-        logits,
-        token,
-        params.picked_ids,
+    return with_logprobs(logits, token, params, raw_logprobs)
+
+
+def with_logprobs(
+    logits: jax.Array, token: jax.Array, params: SamplingArrays, logprobs_of: LogprobsOf
+) -> Sampled:
+    """The rows' tokens with their logprob fields (engine.logprobs.when_asked)."""
+    return Sampled(
+        token, *when_asked(logits, token, params.logprobs, params.picked_ids, logprobs_of)
     )
-    return Sampled(token, logprob, top_ids, top_lps, picked)
 
 
 def penalized(params: SamplingArrays) -> jax.Array:

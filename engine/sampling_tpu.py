@@ -27,7 +27,6 @@ from jax import lax
 from engine import sampling
 from engine.logprobs import top_logprobs
 from engine.sampling import Sampled, SamplingArrays
-from engine.types import MAX_LOGPROB_TOKEN_IDS, MAX_LOGPROBS
 
 TOP_CANDIDATES = 128  # the tokens a sampled row draws from
 
@@ -104,20 +103,7 @@ def _special_rows(
         lambda: jnp.zeros(greedy.shape, jnp.int32),
     )
     token = jnp.where(drawing, drawn, greedy)
-    logprob, top_lps, top_ids, picked = lax.cond(
-        jnp.any(params.logprobs),
-        _logprobs,
-        lambda *_: (
-            jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, MAX_LOGPROBS), jnp.float32),
-            jnp.zeros((rows, MAX_LOGPROBS), jnp.int32),
-            jnp.zeros((rows, MAX_LOGPROB_TOKEN_IDS), jnp.float32),
-        ),
-        logits,
-        token,
-        params.picked_ids,
-    )
-    return Sampled(token, logprob, top_ids, top_lps, picked)
+    return sampling.with_logprobs(logits, token, params, _logprobs)
 
 
 def draw(adjusted: jax.Array, params: SamplingArrays, index: jax.Array) -> jax.Array:
