@@ -125,6 +125,10 @@ def split_kernel(
     `chunks` over the sequences after them (their arrays shifted to start at index 0;
     their queries stay where they are). Each call's output is taken only at its own
     queries; a batch of one kind makes one call."""
+    # host arrays (a batch outside jit) index as jax arrays, by the traced split
+    kv_lens, page_indices, cu_q_lens, num_seqs = (
+        jnp.asarray(a) for a in (kv_lens, page_indices, cu_q_lens, num_seqs)
+    )
     seqs = kv_lens.shape[0]
     index = jnp.arange(seqs, dtype=jnp.int32)
     single = (cu_q_lens[1:] - cu_q_lens[:-1] == 1) & (index < num_seqs[0])
