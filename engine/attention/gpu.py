@@ -1,10 +1,10 @@
 """GPU attention over head-major pages: a Pallas kernel, or the same math in XLA.
 
-Owns: `GpuAttention` (the GPU backend of the `Attention` seam) and `gpu_layout` (the page
-layout it reads: head-major, engine.attention.layout). Receives a ragged batch's queries
-(T, heads, head_dim), the layer's pages with this step's K/V written, and the
-`AttentionBatch`; emits (T, heads, head_dim) matching engine.attention.reference (scores
-and softmax in float32; padding queries give zeros).
+Owns: `GpuAttention`, the GPU backend of the `Attention` seam, over head-major pages
+(engine.attention.layout; engine.attention.attention_layout chooses them). Receives a
+ragged batch's queries (T, heads, head_dim), the layer's pages with this step's K/V
+written, and the `AttentionBatch`; emits (T, heads, head_dim) matching
+engine.attention.reference (scores and softmax in float32; padding queries give zeros).
 
 Two forms, `kernel`:
 - "pallas" (the default): engine.attention.gpu_kernel in two calls a layer. Decode rows
@@ -45,11 +45,6 @@ KV_BLOCK_TOKENS = 64  # positions a program reads an iteration (whole pages)
 MODEL_AXIS = "model"
 
 
-def gpu_layout(layout: KVLayout) -> KVLayout:
-    """The layout the GPU backend reads: head-major, fold 1, no integer view."""
-    return replace(layout, head_major=True, fold=1, bits=False)
-
-
 class GpuAttention:
     """Paged attention over head-major pages, per device of `mesh` (None: one device)."""
 
@@ -64,7 +59,7 @@ class GpuAttention:
         kv_block_tokens: int = KV_BLOCK_TOKENS,
     ) -> None:
         if not layout.head_major:
-            raise ValueError("GpuAttention reads head-major pages (engine.attention.gpu_layout)")
+            raise ValueError("GpuAttention reads head-major pages (attention_layout)")
         if layout.scale_lanes:
             raise ValueError(
                 f"kv_cache_dtype int8 is not supported on GPU: its rows keep their scales in "
@@ -89,9 +84,7 @@ class GpuAttention:
         if self.mesh is None or self.shards == 1:
             return fn
         out = PartitionSpec(None, MODEL_AXIS, None)
-        return jax.shard_map(
-            fn, mesh=self.mesh, in_specs=in_specs, out_specs=out, check_vma=False
-        )
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
 
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         local = replace(self.layout, kv_heads=self.layout.kv_heads // self.shards)
@@ -140,7 +133,12 @@ class GpuAttention:
         )
 
     def _xla(
-        self, layout: KVLayout, q: jax.Array, pages: jax.Array, batch: AttentionBatch, *,
+        self,
+        layout: KVLayout,
+        q: jax.Array,
+        pages: jax.Array,
+        batch: AttentionBatch,
+        *,
         window: int | None,
     ) -> jax.Array:
         t, heads, dim = q.shape
@@ -168,7 +166,12 @@ class GpuAttention:
         return out.astype(q.dtype).reshape(t, heads, dim)
 
     def _pallas(
-        self, layout: KVLayout, q: jax.Array, pages: jax.Array, batch: AttentionBatch, *,
+        self,
+        layout: KVLayout,
+        q: jax.Array,
+        pages: jax.Array,
+        batch: AttentionBatch,
+        *,
         window: int | None,
     ) -> jax.Array:
         t, heads, dim = q.shape
@@ -179,7 +182,7 @@ class GpuAttention:
         per = self.pages_per_block
         width = pages_for(batch.page_indices.shape[1], per) * per
         table = jnp.pad(batch.page_indices, ((0, 0), (0, width - batch.page_indices.shape[1])))
-        cu, kv_lens = batch.cu_q_lens, batch.kv_lens
+        cu, kv_lens = jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.kv_lens)
         q_lens = cu[1:] - cu[:-1]
         real = jnp.arange(s) < batch.num_seqs[0]
         single = real & (q_lens == 1)
@@ -230,9 +233,7 @@ def rows_per_block(queries: int, groups: int) -> int:
     return max(MIN_ROWS, queries * groups)
 
 
-def gather_queries(
-    q: jax.Array, first: jax.Array, queries: int, kv: int, groups: int
-) -> jax.Array:
+def gather_queries(q: jax.Array, first: jax.Array, queries: int, kv: int, groups: int) -> jax.Array:
     """Blocks of `queries` queries from each `first` (B,): (B, kv, rows, d), row r holding
     query r // groups, head r % groups of its kv head (zeros for padded heads and rows)."""
     _, heads, dim = q.shape
@@ -253,4 +254,4 @@ def rows_of(
     return out[block, :, query]
 
 
-__all__ = ["GpuAttention", "KERNELS", "META_FIELDS", "gpu_layout"]
+__all__ = ["GpuAttention", "KERNELS", "META_FIELDS"]

@@ -91,9 +91,7 @@ def _kernel(
         correction = jnp.exp(top - new_top)
         probs = jnp.exp(scores - new_top[:, None])
         total = total * correction + jnp.sum(probs, axis=1)
-        pv = jnp.dot(
-            probs.astype(q.dtype), values, preferred_element_type=F32, precision=precision
-        )
+        pv = jnp.dot(probs.astype(q.dtype), values, preferred_element_type=F32, precision=precision)
         return new_top, total, acc * correction[:, None] + pv
 
     init = (

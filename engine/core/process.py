@@ -198,7 +198,7 @@ def run(config: ProcessConfig) -> int:
                 kv_cache_bytes=core.kv_cache_bytes,
                 weight_bytes=core.weight_bytes,
                 num_pages=core.num_pages,
-                page_size=core.config.page_size,
+                page_size=core.page_size,
             )
         )
         args = (channel.receive, channel.send, grammar, config.fail_after_steps)

@@ -180,23 +180,25 @@ def _recount(counts: jax.Array, row: jax.Array, ids: jax.Array) -> jax.Array:
     return counts.at[row].set(fresh)
 
 
-def _read_pages(pages: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(layer[ids] for layer in pages)
+def _read_pages(
+    pages: tuple[jax.Array, ...], ids: jax.Array, layout: KVLayout
+) -> tuple[jax.Array, ...]:
+    return tuple(layout.take(layer, ids) for layer in pages)
 
 
 def _write_pages(
-    pages: tuple[jax.Array, ...], ids: jax.Array, blocks: tuple[jax.Array, ...]
+    pages: tuple[jax.Array, ...], ids: jax.Array, blocks: tuple[jax.Array, ...], layout: KVLayout
 ) -> tuple[jax.Array, ...]:
-    return tuple(
-        layer.at[ids].set(block, mode="drop") for layer, block in zip(pages, blocks, strict=True)
-    )
+    return tuple(layout.put(layer, ids, block) for layer, block in zip(pages, blocks, strict=True))
 
 
-def pages_sharding(mesh: Mesh) -> NamedSharding:
+def pages_sharding(mesh: Mesh, layout: KVLayout) -> NamedSharding:
     """A layer's pages split by kv head (the combined-heads axis) over the mesh."""
     if mesh.devices.size == 1:
         return NamedSharding(mesh, PartitionSpec())
-    return NamedSharding(mesh, PartitionSpec(None, None, MODEL_AXIS, None))
+    spec: list[str | None] = [None] * len(layout.shape)
+    spec[layout.head_axis] = MODEL_AXIS
+    return NamedSharding(mesh, PartitionSpec(*spec))
 
 
 @dataclass(frozen=True)
@@ -253,7 +255,7 @@ class Runner:
             max_num_seqs, max_num_batched_tokens, -(-max_model_len // layout.page_size)
         )
         whole = NamedSharding(mesh, PartitionSpec())
-        empty = jax.jit(layout.empty, out_shardings=pages_sharding(mesh))
+        empty = jax.jit(layout.empty, out_shardings=pages_sharding(mesh, layout))
         self.pages = tuple(empty() for _ in range(cfg.num_layers))
         self.counts = jax.device_put(np.zeros((max_num_seqs, cfg.vocab_size), np.int32), whole)
         self.last = jax.device_put(np.zeros((max_num_seqs,), np.int32), whole)  # sampled
@@ -272,8 +274,10 @@ class Runner:
         )
         self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
         self._recount = jax.jit(_recount, donate_argnums=(0,))
-        self._read_pages = jax.jit(_read_pages)
-        self._write_pages = jax.jit(_write_pages, donate_argnums=(0,))
+        self._read_pages = jax.jit(functools.partial(_read_pages, layout=layout))
+        self._write_pages = jax.jit(
+            functools.partial(_write_pages, layout=layout), donate_argnums=(0,)
+        )
         self._fill = jax.jit(
             functools.partial(fill_program, cfg=cfg, attention=attention), donate_argnums=(1,)
         )
