@@ -123,8 +123,9 @@ class Engine:
         return total
 
     def layer_weights(self) -> int:
-        """Weights one token multiplies in the layers (2 FLOPs each)."""
-        return sum(math.prod(w.shape) for w in jax.tree.leaves(self.params["layers"]))
+        """Weights one token multiplies in the layers' products (2 FLOPs each; not norms)."""
+        layers = jax.tree.leaves(self.params["layers"])
+        return sum(math.prod(w.shape) for w in layers if w.ndim == 2)
 
 
 def run_steps(
