@@ -217,6 +217,7 @@ class EngineCore:
             max_prefill_seqs=config.max_prefill_seqs,
             choice=config.attention,
         )
+        self.attention = attention
         self.runner = Runner(
             params,
             cfg,
