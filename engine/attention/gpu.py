@@ -9,7 +9,8 @@ engine.attention.reference (scores and softmax in float32; padding queries give 
 Two forms, `kernel`:
 - "pallas" (the default): engine.attention.gpu_kernel in two calls a layer. Decode rows
   (sequences of one query, wherever they stand) each make one block of their kv head's
-  query heads, so a row reads only its own pages once per kv head; prompt chunks make
+  query heads, so a row reads only its own pages once per kv head (in a bucket of few
+  sequences, its pages split among up to MAX_SPLITS programs); prompt chunks make
   blocks of CHUNK_QUERIES queries, each reading the pages up to its last query. A call's
   block count is fixed by the bucket (T, S), so the step program has one shape; blocks
   with no queries return at once.
@@ -42,6 +43,10 @@ F32 = jnp.float32
 KERNELS = ("pallas", "xla")
 CHUNK_QUERIES = 16  # a prompt chunk's queries per block (rows: x the padded groups)
 KV_BLOCK_TOKENS = 64  # positions a program reads an iteration (whole pages)
+# Decode rows' pages are split among programs until there are about this many: a batch of
+# one row on 8 kv heads would otherwise run 8 programs on a GPU of 132 cores (H100/H200).
+TARGET_PROGRAMS = 256
+MAX_SPLITS = 8
 MODEL_AXIS = "model"
 
 
@@ -57,6 +62,7 @@ class GpuAttention:
         interpret: bool = False,
         chunk_queries: int = CHUNK_QUERIES,
         kv_block_tokens: int = KV_BLOCK_TOKENS,
+        max_splits: int = MAX_SPLITS,
     ) -> None:
         if not layout.head_major:
             raise ValueError("GpuAttention reads head-major pages (attention_layout)")
@@ -74,6 +80,7 @@ class GpuAttention:
         self.interpret = interpret
         self.chunk_queries = next_power_of_two(chunk_queries)
         self.pages_per_block = next_power_of_two(max(1, kv_block_tokens // layout.page_size))
+        self.max_splits = max(1, max_splits)
         self.shards = 1 if mesh is None else mesh.devices.size
         if layout.kv_heads % self.shards:
             raise ValueError(f"kv_heads {layout.kv_heads} must split into {self.shards} devices")
@@ -202,7 +209,8 @@ class GpuAttention:
             [kv_lens, kv_lens - 1, single.astype(jnp.int32), jnp.zeros_like(kv_lens)], axis=1
         )
         blocks = gather_queries(padded_q, cu[:-1], 1, kv, groups)
-        decode = call(blocks, pages, table, meta)  # (S, kv, rows, d)
+        splits = max(1, min(self.max_splits, TARGET_PROGRAMS // (s * kv)))
+        decode = call(blocks, pages, table, meta, splits=splits)  # (S, kv, rows, d)
 
         # prompt chunks: blocks of chunk_queries queries, in order
         per_q = self.chunk_queries

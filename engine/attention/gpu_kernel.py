@@ -51,14 +51,14 @@ def _kernel(
     q_ref: jax.Array,  # (rows, head_dim)
     k_ref: jax.Array,  # (num_pages, page_size, head_dim): this kv head's keys
     v_ref: jax.Array,  # (num_pages, page_size, head_dim): its values
-    o_ref: jax.Array,  # (rows, head_dim)
-    *,
+    *out_refs: jax.Array,  # (rows, head_dim); split: unnormalized, and (rows,) max and sum
     groups: int,
     real_groups: int,
     pages_per_block: int,
     scale: float,
     window: int | None,
     precision: lax.Precision,
+    splits: int,
 ) -> None:
     rows, dim = q_ref.shape
     page_size = k_ref.shape[1]
@@ -75,6 +75,10 @@ def _kernel(
     start = jnp.zeros((), jnp.int32)
     if window is not None:
         start = jnp.minimum(jnp.maximum(first_pos - window + 1, 0) // block, stop)
+    if splits > 1:  # this program's share of the iterations (none past the end)
+        share = (stop - start + splits - 1) // splits
+        start = start + pl.program_id(2) * share
+        stop = jnp.minimum(start + share, stop)
 
     def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple:
         top, total, acc = carry
@@ -99,9 +103,27 @@ def _kernel(
         jnp.zeros((rows,), F32),
         jnp.zeros((rows, dim), F32),
     )
-    _, total, acc = lax.fori_loop(start, stop, body, init)
+    top, total, acc = lax.fori_loop(start, stop, body, init)
+    if splits > 1:  # combined by `combine_splits`
+        o_ref, top_ref, total_ref = out_refs
+        o_ref[...] = acc
+        top_ref[...] = top
+        total_ref[...] = total
+        return
+    (o_ref,) = out_refs
     out = acc / jnp.where(total > 0, total, 1.0)[:, None]
     o_ref[...] = jnp.where(real[:, None], out, 0.0).astype(o_ref.dtype)
+
+
+def combine_splits(acc: jax.Array, top: jax.Array, total: jax.Array) -> jax.Array:
+    """Split programs' unnormalized outputs (..., splits, rows, d), maxima and sums
+    (..., splits, rows) -> the normalized output (..., rows, d), float32. A split that
+    saw no key has the MASKED maximum: its weight is 0 beside one that did."""
+    best = jnp.max(top, axis=-2, keepdims=True)
+    weight = jnp.exp(top - best)
+    out = jnp.sum(acc * weight[..., None], axis=-3)
+    total = jnp.sum(total * weight, axis=-2)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 @functools.partial(
@@ -114,6 +136,7 @@ def _kernel(
         "interpret",
         "num_warps",
         "num_stages",
+        "splits",
     ),
 )
 def block_attention(
@@ -129,10 +152,15 @@ def block_attention(
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
+    splits: int = 1,
 ) -> jax.Array:
     """Query blocks q (NB, kv_heads, rows, d) over head-major pages (2 * kv_heads,
     num_pages, page_size, d); tables (NB, table_pages) with table_pages a multiple of
-    pages_per_block; meta (NB, META_FIELDS). Returns (NB, kv_heads, rows, d)."""
+    pages_per_block; meta (NB, META_FIELDS). Returns (NB, kv_heads, rows, d).
+
+    `splits` > 1 divides each block's pages among that many programs (more programs for
+    few blocks: a decode row alone would keep kv_heads of the GPU's cores busy), their
+    partial results combined after the call (float32 rows: the reads a split adds)."""
     blocks, kv_heads, rows, dim = q.shape
     _, num_pages, page_size, lanes = pages.shape
     if lanes != dim:
@@ -148,21 +176,43 @@ def block_attention(
         window=window,
         # float32 queries: exact float32 products (Triton's default would be TF32)
         precision=lax.Precision.HIGHEST if q.dtype == F32 else lax.Precision.DEFAULT,
+        splits=splits,
     )
     page_spec = functools.partial(pl.BlockSpec, (None, num_pages, page_size, dim))
-    return pl.pallas_call(
+    in_specs = [
+        pl.BlockSpec((None, tables.shape[1]), lambda b, h, i: (b, 0)),
+        pl.BlockSpec((None, META_FIELDS), lambda b, h, i: (b, 0)),
+        pl.BlockSpec((None, None, rows, dim), lambda b, h, i: (b, h, 0, 0)),
+        page_spec(lambda b, h, i: (2 * h, 0, 0, 0)),  # keys of kv head h
+        page_spec(lambda b, h, i: (2 * h + 1, 0, 0, 0)),  # its values
+    ]
+    if splits == 1:
+        out_specs: list[pl.BlockSpec] = [
+            pl.BlockSpec((None, None, rows, dim), lambda b, h, i: (b, h, 0, 0))
+        ]
+        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, dim), lambda b, h, i: (b, h, i, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, i: (b, h, i, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, i: (b, h, i, 0)),
+        ]
+        split = (blocks, kv_heads, splits, rows)
+        out_shape = [
+            jax.ShapeDtypeStruct((*split, dim), F32),
+            jax.ShapeDtypeStruct(split, F32),
+            jax.ShapeDtypeStruct(split, F32),
+        ]
+    outs = pl.pallas_call(
         kernel,
-        grid=(blocks, kv_heads),
-        in_specs=[
-            pl.BlockSpec((None, tables.shape[1]), lambda b, h: (b, 0)),
-            pl.BlockSpec((None, META_FIELDS), lambda b, h: (b, 0)),
-            pl.BlockSpec((None, None, rows, dim), lambda b, h: (b, h, 0, 0)),
-            page_spec(lambda b, h: (2 * h, 0, 0, 0)),  # keys of kv head h
-            page_spec(lambda b, h: (2 * h + 1, 0, 0, 0)),  # its values
-        ],
-        out_specs=pl.BlockSpec((None, None, rows, dim), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(blocks, kv_heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_block_attention",
     )(tables, meta, q, pages, pages)
+    if splits == 1:
+        return outs[0]
+    return combine_splits(*outs).astype(q.dtype)

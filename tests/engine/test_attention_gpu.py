@@ -5,7 +5,8 @@ Batches are built by engine.paged_model.make_batch on scattered pages holding ra
 everywhere, so a position a query must not see (past its sequence, past the causal edge,
 outside the window, on page 0 where a table's unused entries point) would change its
 output. Lengths cross page boundaries (15, 16, 17, 33 positions at pages of 16); buckets
-hold padding queries and padding sequences. Tolerances: float32 2e-5; bfloat16 3e-2
+hold padding queries and padding sequences; decode rows' pages are split among programs
+(8 sequences x 2 kv heads: 8 splits) and, in one test, not. Tolerances: float32 2e-5; bfloat16 3e-2
 (inputs in bfloat16; the kernel normalizes after the value product, the reference
 before it, so their bfloat16 probabilities round differently); fp8 pages as bfloat16.
 """
@@ -53,6 +54,7 @@ class Config:
     dtype: str = "float32"
     window: int | None = None
     pages: str = "auto"  # the pages' dtype: the model's, or an fp8 one
+    max_splits: int = 8  # decode rows' pages among up to this many programs
 
     @property
     def page_dtype(self) -> str:
@@ -67,7 +69,9 @@ def interleaved(config: Config) -> KVLayout:
 def jitted(config: Config, kernel: str, mesh_size: int = 1):  # type: ignore[no-untyped-def]
     layout = attention_layout(interleaved(config), "gpu")
     mesh = default_mesh(mesh_size) if mesh_size > 1 else None
-    attention = GpuAttention(layout, mesh, kernel=kernel, interpret=True)
+    attention = GpuAttention(
+        layout, mesh, kernel=kernel, interpret=True, max_splits=config.max_splits
+    )
     return jax.jit(functools.partial(attention.attend, sliding_window=config.window))
 
 
@@ -131,6 +135,12 @@ def test_kernel_sliding_window_and_one_kv_head() -> None:
     config = Config(1, 8, 64, window=20)
     compare(config, MIXED)
     compare(config, DECODE_ONLY, seed=1)
+
+
+def test_kernel_without_splits() -> None:
+    """8 sequences x 2 kv heads split 8 ways elsewhere here; one program a row too."""
+    compare(replace(F32, max_splits=1), MIXED)
+    compare(replace(BF16, max_splits=1, window=24), DECODE_ONLY)
 
 
 def test_kernel_fp8_pages() -> None:
