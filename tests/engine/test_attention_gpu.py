@@ -252,3 +252,35 @@ def test_the_model_through_the_seam_matches_the_reference(tiny_checkpoint_of) ->
     np.testing.assert_array_equal(got_pages[0], want_pages[0].transpose(2, 0, 1, 3))
     for w, g in zip(want_pages, got_pages, strict=True):
         np.testing.assert_allclose(g, w.transpose(2, 0, 1, 3), atol=1e-5, rtol=1e-5)
+
+
+LOWERINGS = {
+    "8b heads, bfloat16, pages of 16": (Config(8, 4, 128, "bfloat16"), 16, 64, 8),
+    "1b heads, pages of 128, 256 rows": (Config(8, 4, 64, "bfloat16"), 128, 256, 256),
+    "fp8 pages, a window": (Config(2, 2, 32, "bfloat16", 24, "float8_e4m3fn"), 16, 32, 4),
+    "float32, 3 groups": (Config(2, 3, 32), 16, 32, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOWERINGS))
+def test_the_kernel_lowers_to_triton_for_cuda(name: str) -> None:
+    """No GPU here, but Pallas' Triton lowering runs in Python: lowering for CUDA builds
+    both calls' Triton modules (each load, product and loop the kernel uses, at these
+    shapes) and fails on anything Triton cannot take. What XLA then compiles of them
+    (Triton to PTX) waits for a GPU (bench.gpu_check)."""
+    config, page, tokens, seqs = LOWERINGS[name]
+    layout = attention_layout(
+        KVLayout(37, page, config.kv_heads, config.head_dim, config.page_dtype), "gpu"
+    )
+    attention = GpuAttention(layout)
+    heads = config.kv_heads * config.groups
+    spec = jax.ShapeDtypeStruct
+    batch = AttentionBatch(
+        spec((seqs,), jnp.int32), spec((seqs, 9), jnp.int32),
+        spec((seqs + 1,), jnp.int32), spec((1,), jnp.int32),
+    )  # fmt: skip
+    q = spec((tokens, heads, config.head_dim), jnp.dtype(config.dtype))
+    attend = functools.partial(attention.attend, sliding_window=config.window)
+    lowered = jax.jit(attend).trace(q, spec(layout.shape, layout.dtype), batch)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2  # decode rows, prompt chunks
