@@ -64,13 +64,19 @@ HEADS = {"1b": Heads(8, 4, 64), "8b": Heads(8, 4, 128), "tiny": Heads(2, 2, 32)}
 
 
 def attention_case(
-    heads: Heads, page: int, spans: Sequence[tuple[int, int]], tokens: int, seqs: int, seed: int
+    heads: Heads,
+    page: int,
+    spans: Sequence[tuple[int, int]],
+    tokens: int,
+    seqs: int,
+    seed: int,
+    dtype: str,
 ) -> tuple[np.ndarray, np.ndarray, AttentionBatch, KVLayout]:
-    """Random queries and interleaved pages (float32 values) for these (start, queries)
-    sequences in a (tokens, seqs) bucket, each on its own scattered pages."""
+    """Random queries and interleaved pages of `dtype` (their values in float32) for these
+    (start, queries) sequences in a (tokens, seqs) bucket, each on its own scattered pages."""
     rng = np.random.default_rng(seed)
     counts = [-(-(start + n) // page) for start, n in spans]
-    layout = KVLayout(sum(counts) + 1, page, heads.kv_heads, heads.head_dim)
+    layout = KVLayout(sum(counts) + 1, page, heads.kv_heads, heads.head_dim, dtype)
     order = rng.permutation(np.arange(1, layout.num_pages)).tolist()
     chunks, at = [], 0
     for (start, n), count in zip(spans, counts, strict=True):
@@ -89,7 +95,7 @@ def kernel_check(name: str, dtype: str, smoke: bool) -> list[Row]:
     heads = HEADS[name]
     long = 40 if smoke else 1000
     spans = [(long, 1), (15, 1), (16, 1), (0, 37), (17, 1), (long - 30, 30)]
-    q, pages, batch, layout = attention_case(heads, 16, spans, 96, 8, seed=1)
+    q, pages, batch, layout = attention_case(heads, 16, spans, 96, 8, seed=1, dtype=dtype)
     real = sum(n for _, n in spans)
     qj, flat = jnp.asarray(q, dtype), jnp.asarray(pages, dtype)
     rows = []
@@ -112,9 +118,9 @@ def kernel_check(name: str, dtype: str, smoke: bool) -> list[Row]:
 def attention_timing(name: str, page: int, seqs: int, context: int, calls: int) -> list[Row]:
     heads = HEADS[name]
     spans = [(context - 1, 1)] * seqs
-    q, pages, batch, layout = attention_case(heads, page, spans, seqs, seqs, seed=2)
+    q, pages, batch, layout = attention_case(heads, page, spans, seqs, seqs, 2, "bfloat16")
     qj = jnp.asarray(q, jnp.bfloat16)
-    kv_bytes = seqs * context * layout.token_bytes // 2  # bfloat16: half the float32 bytes
+    kv_bytes = seqs * context * layout.token_bytes
     rows = []
     for form in gpu_decode.ATTENTION:
         attention, read = gpu_decode.make_attention(layout, form)

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ from engine.core.runner import step_program
 from engine.paged_model import Chunk, make_batch
 from engine.sampling import SamplingArrays, host_arrays
 from engine.types import SamplingParams
+from engine.xla_flags import set_backend_flags
 
 H200_BYTES_PER_S = 4.8e12
 H200_BF16_FLOPS = 989e12  # dense
@@ -279,6 +281,7 @@ def ints(text: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parser().parse_args(argv)
+    set_backend_flags(os.environ)  # as the engine core's process: before a backend starts
     results = []
     for name in args.configs.split(","):
         cfg = shape(name, args.layers)

@@ -1,8 +1,8 @@
 """XLA flags per backend, set before jax starts its backends: the one place they live.
 
 Owns: BACKEND_XLA_FLAGS (platform -> flags) and `set_backend_flags`, which the engine
-core's process (engine.core.process) and bench.gpu_decode call before their first jax
-computation. Receives the process environment (a mapping; read, and XLA_FLAGS written);
+core's process (engine.core.process) and the GPU benchmarks (bench.gpu_decode,
+bench.gpu_check) call before their first jax computation. Receives the process environment (a mapping; read, and XLA_FLAGS written);
 emits the platform it expects jax to pick and the XLA_FLAGS it leaves there. XLA reads
 XLA_FLAGS once, when the first backend starts, so a flag set later does nothing.
 
