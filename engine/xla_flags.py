@@ -2,9 +2,10 @@
 
 Owns: BACKEND_XLA_FLAGS (platform -> flags) and `set_backend_flags`, which the engine
 core's process (engine.core.process) and the GPU benchmarks (bench.gpu_decode,
-bench.gpu_check) call before their first jax computation. Receives the process environment (a mapping; read, and XLA_FLAGS written);
-emits the platform it expects jax to pick and the XLA_FLAGS it leaves there. XLA reads
-XLA_FLAGS once, when the first backend starts, so a flag set later does nothing.
+bench.gpu_check) call before their first jax computation. Receives the process
+environment (a mapping; read, and XLA_FLAGS written); emits the platform it expects jax
+to pick and the XLA_FLAGS it leaves there. XLA reads XLA_FLAGS once, when the first
+backend starts, so a flag set later does nothing.
 
 GPU: one launch a step. XLA records a step's thunks into command buffers (CUDA graphs)
 and replays them: by default fusions, cuBLAS / cuBLASLt, custom calls (the Pallas
