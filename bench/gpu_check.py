@@ -17,8 +17,9 @@ Parts, in priority order; a part that would start past `--budget-s` is listed as
    and the Pallas kernel over head-major pages; median ms of 30 calls and the K/V bytes
    read per second (bench/README.md, "One H200", the 0.89 / 0.61 / 0.40 ms before).
 3. engine: bench.gpu_decode's rows: 8B and 1B decode at batch 1 and 64 (the issue's
-   targets), 8B prefill of 8,192 positions, then batch 8 and 256, 1B prefill, and for
-   batch 1 without command buffers and with XLA's own reduce (what each saves).
+   targets), what the KV pool holds for 8B beside its weights (engine.core.memory at the
+   GPU's defaults), 8B prefill of 8,192 positions, then batch 8 and 256, 1B prefill, and
+   for batch 1 without command buffers and with XLA's own reduce (what each saves).
 Each row is printed as a JSON line when done and all are written to `--json`.
 """
 
@@ -28,8 +29,9 @@ import os
 
 from engine.xla_flags import set_backend_flags
 
-set_backend_flags(os.environ)  # before jax starts a backend: XLA reads XLA_FLAGS once
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # 8B x 256 needs ~87 GB
+# before jax starts a backend: XLA reads XLA_FLAGS once; the allocator takes 0.9 of the
+# device (engine.core.defaults), room for 8B x 256's ~87 GB beside both configs' weights
+set_backend_flags(os.environ)
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
@@ -46,7 +48,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import gpu_decode  # noqa: E402
-from engine.attention import AttentionBatch, KVLayout  # noqa: E402
+from engine.attention import AttentionBatch, KVLayout, attention_layout  # noqa: E402
+from engine.core.defaults import defaults_for  # noqa: E402
+from engine.core.memory import KVBudget, pages_for_budget  # noqa: E402
+from engine.mesh import default_mesh  # noqa: E402
 from engine.paged_model import Chunk, make_batch  # noqa: E402
 
 Row = dict[str, Any]
@@ -142,6 +147,29 @@ def attention_timing(name: str, page: int, seqs: int, context: int, calls: int) 
     return rows
 
 
+def pool(name: str, page: int) -> Row:
+    """The pages the engine core would size for `name` with its weights resident now
+    (engine.core.memory at the platform's defaults), and what they hold."""
+    cfg = gpu_decode.shape(name, None)
+    device = jax.devices()[0]
+    defaults = defaults_for(device.platform)
+    probe = KVLayout(1, page, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
+    layout = attention_layout(probe, device.platform)
+    budget = KVBudget(memory_utilization=defaults.memory_utilization)
+    pages = pages_for_budget(budget, layout, cfg.num_layers, default_mesh(1))
+    stats = device.memory_stats() or {}
+    positions = pages * page
+    return {
+        "kind": "pool", "config": name, "page_size": page,
+        "allocator_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+        "memory_utilization": defaults.memory_utilization,
+        "bytes_limit": stats.get("bytes_limit"), "bytes_in_use": stats.get("bytes_in_use"),
+        "pages": pages, "kv_bytes": pages * layout.page_bytes * cfg.num_layers,
+        "positions": positions, "sequences_of_2048": positions // 2048,
+        "sequences_of_131072": positions // 131072,
+    }  # fmt: skip
+
+
 def engine_runs(smoke: bool) -> list[tuple[str, Callable[[], list[Row]]]]:
     """bench.gpu_decode's rows, most wanted first; params made once per config."""
     base = ["--context", "48", "--steps", "2", "--prefill-chunk", "32"] if smoke else []
@@ -164,9 +192,18 @@ def engine_runs(smoke: bool) -> list[tuple[str, Callable[[], list[Row]]]]:
         run = gpu_decode.decode if kind == "decode" else gpu_decode.prefill
         return lambda: [run(engine(name, args), name, size, args)]
 
+    def pool_of(name: str) -> Callable[[], list[Row]]:
+        def run() -> list[Row]:
+            args = gpu_decode.parser().parse_args(base)
+            engine(name, args)  # its weights resident, as a served model's
+            return [pool(name, args.page_size)]
+
+        return run
+
     big = ("tiny", "tiny") if smoke else ("8b", "1b")
     long_prompt = 64 if smoke else 8192
     runs = [
+        (f"{big[0]} pool", pool_of(big[0])),
         (f"{big[0]} decode 1", one("decode", big[0], 1)),
         (f"{big[0]} decode 64", one("decode", big[0], 4 if smoke else 64)),
         (f"{big[1]} decode 1", one("decode", big[1], 1)),

@@ -19,12 +19,17 @@ graph on its first run (and XLA keeps a few traced graphs per executable,
 xla_cmd_buffer_trace_cache_size); steady steps replay it. The time it saves per step
 is what bench.gpu_decode measures (figures in bench/README.md, "One H200", once taken).
 A flag the user already put in XLA_FLAGS is left as given.
+
+The same call sets the GPU allocator's share of the device (XLA_PYTHON_CLIENT_MEM_FRACTION,
+engine.core.defaults), unless the environment already names one.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping, MutableMapping
+
+from engine.core.defaults import defaults_for
 
 BACKEND_XLA_FLAGS: dict[str, tuple[str, ...]] = {
     "gpu": (
@@ -70,10 +75,18 @@ def with_backend_flags(xla_flags: str, platform: str) -> str:
     return " ".join([*xla_flags.split(), *extra])
 
 
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
 def set_backend_flags(environ: MutableMapping[str, str]) -> str:
-    """Put the expected platform's flags in environ["XLA_FLAGS"]; returns the platform."""
+    """Put the expected platform's flags in environ["XLA_FLAGS"] and its allocator share
+    in XLA_PYTHON_CLIENT_MEM_FRACTION (where it has one and none is set); returns the
+    platform."""
     platform = expected_platform(environ)
     flags = with_backend_flags(environ.get("XLA_FLAGS", ""), platform)
     if flags:
         environ["XLA_FLAGS"] = flags
+    fraction = defaults_for(platform).allocator_fraction
+    if fraction is not None and MEM_FRACTION not in environ:
+        environ[MEM_FRACTION] = f"{fraction:.2f}"
     return platform

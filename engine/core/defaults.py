@@ -17,6 +17,11 @@ class BackendDefaults:
     page_size: int  # positions per KV page
     memory_utilization: float  # of each device's memory for params + KV (vLLM's default 0.9)
     source: str  # where the figures come from
+    # GPU: the share of the device jax's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION,
+    # set by engine.xla_flags before jax starts; jax's own default is 0.75). The engine
+    # sizes its pages from what that allocator reports, so memory_utilization is a share
+    # of this share. None: the platform's allocator as it comes.
+    allocator_fraction: float | None = None
 
 
 AWAITING_MEASUREMENT = "awaiting measurement on a GPU (bench.gpu_decode; today's values kept)"
@@ -28,7 +33,8 @@ BACKEND_DEFAULTS = {
     # chunks of 512 ~1.1x (bench/README.md, "TPU programs").
     "tpu": BackendDefaults(512, 16, 0.9, 'bench/README.md, "TPU programs"'),
     # Not yet measured on a GPU: the values served before this table existed.
-    "gpu": BackendDefaults(256, 16, 0.9, AWAITING_MEASUREMENT),
+    # The allocator's share: deploy/overlays/gpu's 0.90, now the engine's own default.
+    "gpu": BackendDefaults(256, 16, 0.9, AWAITING_MEASUREMENT, allocator_fraction=0.9),
 }
 
 

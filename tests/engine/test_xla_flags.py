@@ -24,6 +24,13 @@ def test_gpu_gets_command_buffer_flags(name: str) -> None:
     flags = environ["XLA_FLAGS"].split()
     assert "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" in flags
     assert "--xla_gpu_graph_min_graph_size=1" in flags
+    assert environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.90"  # engine.core.defaults
+
+
+def test_an_allocator_share_the_user_gave_is_kept() -> None:
+    environ = {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    set_backend_flags(environ)
+    assert environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
 
 
 @pytest.mark.parametrize("name", ["cpu", "tpu"])
@@ -33,7 +40,7 @@ def test_cpu_and_tpu_get_none(name: str) -> None:
     assert environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     bare = {"JAX_PLATFORMS": name}
     set_backend_flags(bare)
-    assert "XLA_FLAGS" not in bare
+    assert bare == {"JAX_PLATFORMS": name}  # neither flags nor an allocator share
 
 
 def test_a_flag_the_user_gave_is_kept() -> None:
