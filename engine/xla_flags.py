@@ -41,7 +41,12 @@ BACKEND_XLA_FLAGS: dict[str, tuple[str, ...]] = {
 }
 # JAX_PLATFORMS names -> the platform a device reports
 _PLATFORM_NAMES = {"cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu", "cpu": "cpu"}
-_GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13")
+_GPU_PLUGINS = (
+    "jax_cuda13_plugin",
+    "jax_cuda12_plugin",
+    "jax_plugins.xla_cuda13",
+    "jax_plugins.xla_cuda12",
+)
 _TPU_PLUGINS = ("libtpu",)
 
 
