@@ -48,6 +48,8 @@ KV_BLOCK_TOKENS = 64  # positions a program reads an iteration (whole pages)
 TARGET_PROGRAMS = 256
 MAX_SPLITS = 8
 MODEL_AXIS = "model"
+HEADS_SPEC = PartitionSpec(None, MODEL_AXIS, None)  # (T, heads, d) split by head
+PAGES_SPEC = PartitionSpec(MODEL_AXIS, None, None, None)  # head-major pages, by kv head
 
 
 class GpuAttention:
@@ -86,26 +88,21 @@ class GpuAttention:
             raise ValueError(f"kv_heads {layout.kv_heads} must split into {self.shards} devices")
 
     def _per_device(
-        self, fn: Callable[..., jax.Array], in_specs: tuple[PartitionSpec, ...]
+        self,
+        fn: Callable[..., jax.Array],
+        in_specs: tuple[PartitionSpec, ...],
+        out_specs: PartitionSpec,
     ) -> Callable[..., jax.Array]:
         if self.mesh is None or self.shards == 1:
             return fn
-        out = PartitionSpec(None, MODEL_AXIS, None)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
+        return jax.shard_map(
+            fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
 
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         local = replace(self.layout, kv_heads=self.layout.kv_heads // self.shards)
-        heads = PartitionSpec(None, MODEL_AXIS, None)
-        page_spec = PartitionSpec(MODEL_AXIS, None, None, None)
-        if self.mesh is None or self.shards == 1:
-            return local.write(pages, k, v, slots)
-        return jax.shard_map(
-            local.write,
-            mesh=self.mesh,
-            in_specs=(page_spec, heads, heads, PartitionSpec()),
-            out_specs=page_spec,
-            check_vma=False,
-        )(pages, k, v, slots)
+        specs = (PAGES_SPEC, HEADS_SPEC, HEADS_SPEC, PartitionSpec())
+        return self._per_device(local.write, specs, PAGES_SPEC)(pages, k, v, slots)
 
     def attend(
         self,
@@ -130,9 +127,8 @@ class GpuAttention:
             return fn(q, pages, AttentionBatch(kv_lens, page_indices, cu_q_lens, num_seqs))
 
         whole = PartitionSpec()
-        heads = PartitionSpec(None, MODEL_AXIS, None)
-        pages_spec = PartitionSpec(MODEL_AXIS, None, None, None)
-        return self._per_device(run, (heads, pages_spec, whole, whole, whole, whole))(
+        specs = (HEADS_SPEC, PAGES_SPEC, whole, whole, whole, whole)
+        return self._per_device(run, specs, HEADS_SPEC)(
             q,
             pages,
             *(jnp.asarray(a, jnp.int32) for a in (batch.kv_lens, batch.page_indices)),

@@ -157,7 +157,8 @@ def test_xla_form_matches_the_reference(config: Config) -> None:
     compare(config, MIXED, kernel="xla")
 
 
-def test_tensor_parallel_kernel_splits_kv_heads() -> None:
+def test_tensor_parallel_splits_kv_heads() -> None:
+    """Each of 2 devices attends over, and writes, its own kv head's pages."""
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices (tests/conftest.py asks XLA:CPU for 4)")
     config = Config(2, 2, 32)
@@ -166,6 +167,16 @@ def test_tensor_parallel_kernel_splits_kv_heads() -> None:
     want = np.asarray(reference(config)(q, flat, batch))
     got = np.asarray(jitted(config, "pallas", 2)(q, flat.transpose(2, 0, 1, 3), batch))
     np.testing.assert_allclose(got[:real], want[:real], atol=TOL["float32"], rtol=0)
+    layout = attention_layout(interleaved(config), "gpu")
+    k, v = (
+        jnp.asarray(np.random.default_rng(i).standard_normal((3, 2, 32)), jnp.float32)
+        for i in (1, 2)
+    )
+    slots = jnp.asarray([5, 40, 17], jnp.int32)
+    split = GpuAttention(layout, default_mesh(2)).write(layout.empty(), k, v, slots)
+    np.testing.assert_array_equal(
+        np.asarray(split), np.asarray(GpuAttention(layout).write(layout.empty(), k, v, slots))
+    )
 
 
 def test_write_puts_each_token_in_its_heads_rows() -> None:
