@@ -25,9 +25,9 @@ prompt^2) / time / `--peak-flops` (the H200's 989 TFLOP/s dense bfloat16).
 `--no-command-buffers` compiles the step with no command buffers (engine.xla_flags sets
 them for GPU), to measure what CUDA graphs save. `--attention`: reference (the pure-JAX
 definition over interleaved pages), gpu-xla or gpu-pallas (engine.attention.gpu over
-head-major pages). `--xla-reduce` computes norms
-with XLA's own reduce and RoPE as a product (the TPU's numerics, engine.core.core
-`backend_numerics`) instead of the fixed-order sums CPU keeps bit-exact.
+head-major pages). `--xla-reduce` computes norms with XLA's own reduce and RoPE as a
+product (the TPU's numerics, engine.core.core `backend_numerics`) instead of the
+fixed-order sums CPU keeps bit-exact.
 """
 
 from __future__ import annotations
