@@ -202,28 +202,30 @@ def forward(
     hidden), pages with the batch's K/V written); `head_logits` of `x[batch.last]` are each
     sequence's next-token logits.
 
-    Params are `stack_layers`'; pages are every layer's (KVLayout.stacked): layer l's
-    page p is page l * per_layer + p, so layer l reads the batch's page table and slots
-    shifted by that much. The layers run as one `lax.scan` (unrolled unless
-    cfg.scan_layers): XLA compiles one layer, not every layer inlined, which halves a
-    30-layer step's compile on a 2-core CPU and makes loading it from the compile cache
-    ~7x faster (bench/README, "Start-up")."""
+    Params are `stack_layers`'; pages are every layer's (`attention.layout`, stacked
+    by KVLayout.stacked): layer l's page p is page l * per_layer + p, so layer l reads
+    the batch's page table and slots shifted by that much. The layers run as one
+    `lax.scan` (unrolled unless cfg.scan_layers): XLA compiles one layer, not every layer
+    inlined, which halves a 30-layer step's compile on a 2-core CPU and makes loading it
+    from the compile cache ~7x faster (bench/README, "Start-up")."""
     dtype = params["final_norm"].dtype  # the model's (the embedding may be int8)
     x = embed_tokens(params, batch.tokens)
     cos, sin = rope_tables(jnp.asarray(batch.positions), inv_freq, dtype)
     slots = jnp.asarray(batch.slots)
     attention_batch = jax.tree.map(jnp.asarray, batch.attention)  # host arrays too
     table = attention_batch.page_indices
-    per_layer = pages.shape[0] // cfg.num_layers
-    live = slots < per_layer * pages.shape[1]  # padding stays past every layer's pages
+    per_layer = attention.layout.num_pages // cfg.num_layers
+    size = attention.layout.page_size
+    live = slots < per_layer * size  # padding: past every layer's pages, writing nothing
 
     def layer(
         carry: tuple[jax.Array, jax.Array], lp_l: tuple[Params, jax.Array]
     ) -> tuple[tuple[jax.Array, jax.Array], None]:
         x, pages = carry
         lp, index = lp_l
-        rows = pages.shape[0] * pages.shape[1]  # past every layer's pages: writes nothing
-        shifted = jnp.where(live, slots + index * per_layer * pages.shape[1], rows)
+        shifted = jnp.where(
+            live, slots + index * per_layer * size, cfg.num_layers * per_layer * size
+        )
         shifted_batch = dataclasses.replace(attention_batch, page_indices=table + index * per_layer)
         out = _layer(lp, pages, x, cos, sin, shifted, shifted_batch, cfg=cfg, attention=attention)
         return out, None

@@ -20,6 +20,13 @@ carries its scale in `scale_lanes` extra lanes after its values.
 scatters into and gathers from a bfloat16 or fp8 array through a conversion of the whole
 array, so a step there would cost in proportion to the whole cache (bench/README,
 "Quantization"). The same bits are stored either way; CPU sets it (engine.core.core).
+
+`head_major` puts the combined-heads axis first, `[2 * kv_heads, num_pages, page_size,
+lanes]` (GPU, engine.attention.gpu): one kv head's keys (row 2h) or values (row 2h + 1)
+are then a contiguous array of pages, which a kernel reads page by page and XLA gathers
+without the two transposes the interleaved layout needs on GPU (bench/README, "One H200").
+The page allocator sees the same page ids either way; `take` and `put` move whole pages
+whichever axis holds them.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class KVLayout:
     dtype: str = "float32"  # the pages' (engine.attention.kv_dtype.storage_dtype)
     fold: int = 1  # adjacent kv heads side by side in one row of lanes
     bits: bool = False  # 16- and 8-bit float pages in an unsigned integer array (XLA:CPU)
+    head_major: bool = False  # [combined_heads, num_pages, page_size, lanes] (GPU)
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "kv_heads", "head_dim", "fold"):
@@ -53,6 +61,8 @@ class KVLayout:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_heads % self.fold:
             raise ValueError(f"fold {self.fold} must divide kv_heads {self.kv_heads}")
+        if self.head_major and self.fold != 1:
+            raise ValueError(f"head-major pages keep fold 1, got {self.fold}")
 
     @property
     def combined_heads(self) -> int:
@@ -82,12 +92,30 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.num_pages, self.page_size, self.combined_heads, self.lanes + self.scale_lanes)
+        row = self.lanes + self.scale_lanes
+        if self.head_major:
+            return (self.combined_heads, self.num_pages, self.page_size, row)
+        return (self.num_pages, self.page_size, self.combined_heads, row)
+
+    @property
+    def page_axis(self) -> int:
+        return 1 if self.head_major else 0
+
+    @property
+    def head_axis(self) -> int:
+        """The combined-heads axis (split over a tensor-parallel mesh)."""
+        return 0 if self.head_major else 2
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One page of one layer as `take` gives it, less the page axis."""
+        shape = self.shape
+        return shape[: self.page_axis] + shape[self.page_axis + 1 :]
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page of one layer (K and V)."""
-        return math.prod(self.shape[1:]) * np.dtype(self.dtype).itemsize
+        return math.prod(self.page_shape) * np.dtype(self.dtype).itemsize
 
     @property
     def token_bytes(self) -> int:
@@ -117,7 +145,7 @@ class KVLayout:
 
     def unpack(self, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Pages (..., combined_heads, lanes) -> keys and values (..., kv_heads, head_dim)
-        (8-bit pages: decoded, float32)."""
+        (8-bit pages: decoded, float32). Interleaved pages only (not `head_major`)."""
         pages = self.decode(pages) if self.quantized else self.view(pages)
         lead = pages.shape[:-2]
         k = pages[..., 0::2, :].reshape(*lead, self.kv_heads, self.head_dim)
@@ -127,11 +155,26 @@ class KVLayout:
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         """Pages with token i's K/V at flat slot slots[i] (page * page_size + offset), in
         place: one scatter. A slot past the last page (padding) writes nothing."""
-        flat = pages.reshape(self.num_pages * self.page_size, self.combined_heads, self.shape[-1])
         rows = kv_dtype.encode(self.pack(k, v), self.dtype)
         if self.array_dtype != self.dtype:
             rows = lax.bitcast_convert_type(rows, jnp.dtype(self.array_dtype))
+        positions = self.num_pages * self.page_size
+        if self.head_major:
+            flat = pages.reshape(self.combined_heads, positions, self.shape[-1])
+            rows = rows.transpose(1, 0, 2)  # (combined_heads, T, row): the step's rows only
+            return flat.at[:, slots].set(rows, mode="drop").reshape(pages.shape)
+        flat = pages.reshape(positions, self.combined_heads, self.shape[-1])
         return flat.at[slots].set(rows, mode="drop").reshape(pages.shape)
+
+    def take(self, pages: jax.Array, ids: jax.Array) -> jax.Array:
+        """Whole pages `ids` of one layer, along the page axis (a block of them)."""
+        return pages[:, ids] if self.head_major else pages[ids]
+
+    def put(self, pages: jax.Array, ids: jax.Array, block: jax.Array) -> jax.Array:
+        """A block from `take` into pages `ids`; ids past the last page write nothing."""
+        if self.head_major:
+            return pages.at[:, ids].set(block, mode="drop")
+        return pages.at[ids].set(block, mode="drop")
 
     def decode(self, rows: jax.Array) -> jax.Array:
         """Stored rows (..., lanes + scale_lanes) -> their values in float32 (..., lanes)."""

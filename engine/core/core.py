@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.attention import KVLayout, attention_backend
+from engine.attention import ATTENTION_BACKENDS, KVLayout, attention_backend, attention_layout
 from engine.attention.kv_dtype import storage_dtype
 from engine.checkpoint import NP_DTYPES
 from engine.config import ModelConfig, load_model_config, tensor_parallel
+from engine.core.defaults import BACKEND_DEFAULTS, defaults_for
 from engine.core.draft import DraftProposer, build_draft, draft_config
 from engine.core.memory import KVBudget, pages_for_budget
 from engine.core.messages import Stats
@@ -50,10 +51,11 @@ class CoreConfig:
     max_num_batched_tokens: int | None = 256  # None: a chunk + every row
     chunk_size: int | None = 128  # prompt positions per chunk; None: the backend's
     max_prefill_seqs: int = 4  # prompt chunks per step
-    page_size: int = 16
+    page_size: int | None = 16  # None: the backend's (engine.core.defaults)
     num_pages: int | None = None  # or from kv_cache_memory_bytes / the devices
     kv_cache_memory_bytes: int | None = None
-    memory_utilization: float = 0.9  # of each device's memory, when neither is given
+    # of each device's memory, when neither is given; None: the backend's
+    memory_utilization: float | None = 0.9
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
     devices: tuple[int, ...] | None = None  # ids; default the first tensor_parallel_size
@@ -62,6 +64,7 @@ class CoreConfig:
     kv_cache_dtype: str = "auto"  # pages' dtype (engine.attention.kv_dtype)
     async_scheduling: bool = True  # the loop plans step N + 1 while step N runs
     prefill_only: bool = False  # a disaggregated core's prefill set (engine.core.disaggregated)
+    attention: str = "auto"  # engine.attention.ATTENTION_BACKENDS ("reference": the definition)
 
     def __post_init__(self) -> None:
         if self.dtype not in NP_DTYPES:
@@ -78,8 +81,12 @@ class CoreConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if not 0 < self.memory_utilization <= 1:
+        if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention must be one of {list(ATTENTION_BACKENDS)}, got {self.attention!r}"
+            )
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)
         if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
@@ -124,18 +131,28 @@ class EngineCore:
         )
         platform = self.mesh.devices.flat[0].platform
         chunk_size, batched = backend_shapes(config, platform)
+        defaults = defaults_for(platform)
+        page_size = self.page_size = config.page_size or defaults.page_size
         config = self.config = replace(
-            config, chunk_size=chunk_size, max_num_batched_tokens=batched
+            config,
+            chunk_size=chunk_size,
+            max_num_batched_tokens=batched,
+            page_size=page_size,
+            memory_utilization=config.memory_utilization or defaults.memory_utilization,
         )
         cfg = self.model_config = backend_numerics(cfg, platform)
         fold = 128 // cfg.head_dim if platform == "tpu" and cfg.head_dim < 128 else 1
         kv_dtype = storage_dtype(config.kv_cache_dtype, config.dtype)
         bits = platform == "cpu"  # KVLayout.bits: XLA:CPU's 16/8-bit float scatters
-        probe = KVLayout(1, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold, bits)
+        probe = attention_layout(
+            KVLayout(1, page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold, bits),
+            platform,
+            config.attention,
+        )
         # A chunk fits beside every decode row, so a prompt never waits for them to end.
         room = batched - config.max_num_seqs
-        chunk = max(config.page_size, min(chunk_size, room))
-        chunk -= chunk % config.page_size
+        chunk = max(page_size, min(chunk_size, room))
+        chunk -= chunk % page_size
         self.chunk_size = chunk
         params = self._params(config.model_path, cfg, platform)
         self.weight_bytes = param_bytes(params)
@@ -157,15 +174,13 @@ class EngineCore:
         budget = KVBudget(
             num_pages=config.num_pages,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            memory_utilization=config.memory_utilization,
-            default_pages=config.max_num_seqs * -(-max_len // config.page_size),
+            memory_utilization=config.memory_utilization or defaults.memory_utilization,
+            default_pages=config.max_num_seqs * -(-max_len // page_size),
         )
         count = functools.partial(pages_for_budget, budget, probe, layers, self.mesh)
         num_pages = count() if agree_pages is None else agree_pages(count)
-        layout = KVLayout(
-            num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, fold, bits
-        )
-        pool = PagePool(num_pages, config.page_size, prefix_caching=config.prefix_caching)
+        layout = replace(probe, num_pages=num_pages)
+        pool = PagePool(num_pages, page_size, prefix_caching=config.prefix_caching)
         self.draft: DraftProposer | None = None
         if draft_cfg is not None and draft_params is not None:
             self.draft = build_draft(
@@ -178,6 +193,7 @@ class EngineCore:
                 max_num_batched_tokens=batched,
                 chunk_size=chunk,
                 max_prefill_seqs=config.max_prefill_seqs,
+                attention_choice=config.attention,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -199,7 +215,9 @@ class EngineCore:
             self.mesh,
             chunk_size=chunk,
             max_prefill_seqs=config.max_prefill_seqs,
+            choice=config.attention,
         )
+        self.attention = attention
         self.runner = Runner(
             params,
             cfg,
@@ -225,10 +243,10 @@ class EngineCore:
             config.quantization if config.quantization != "none" else config.dtype,
             self.weight_bytes,
             num_pages,
-            config.page_size,
+            page_size,
             kv_dtype,
             self.kv_cache_bytes,
-            num_pages // -(-max_len // config.page_size),
+            num_pages // -(-max_len // page_size),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             chunk,
@@ -315,18 +333,15 @@ class EngineCore:
         return self.scheduler.update(pending.plan, result)
 
 
-# A prompt chunk's positions per backend when the config leaves them to it. A TPU step
-# reads every weight once per chunk: a 1,024-token prompt in chunks of 256 took 1.70x the
-# roofline time of one pass over the weights (the 1B on v5e), in chunks of 512 ~1.1x
-# (bench/README.md, "TPU programs").
-CHUNK_SIZE = {"tpu": 512}
-DEFAULT_CHUNK_SIZE = 256
+# A prompt chunk's positions per backend when the config leaves them to it
+# (engine.core.defaults, the one table).
+CHUNK_SIZE = {platform: d.chunk_size for platform, d in BACKEND_DEFAULTS.items()}
 
 
 def backend_shapes(config: CoreConfig, platform: str) -> tuple[int, int]:
     """The chunk size (the backend's when the config gives None) and a step's token
     budget (a chunk beside every decode row when None)."""
-    chunk = config.chunk_size or CHUNK_SIZE.get(platform, DEFAULT_CHUNK_SIZE)
+    chunk = config.chunk_size or defaults_for(platform).chunk_size
     return chunk, config.max_num_batched_tokens or chunk + config.max_num_seqs
 
 

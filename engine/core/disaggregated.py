@@ -58,10 +58,10 @@ class DisaggregatedCore:
         if prefill.scheduler.pool.page_size != decode.scheduler.pool.page_size:
             raise ValueError("the prefill and decode sets need the same page size")
         source, target = prefill.runner.layout, decode.runner.layout
-        if (source.shape[1:], source.dtype) != (target.shape[1:], target.dtype):
+        if (source.page_shape, source.dtype) != (target.page_shape, target.dtype):
             raise ValueError(
-                f"the prefill and decode sets lay out pages differently ({source.shape[1:]} "
-                f"against {target.shape[1:]}): give both the same number of devices"
+                f"the prefill and decode sets lay out pages differently ({source.page_shape} "
+                f"against {target.page_shape}): give both the same number of devices"
             )
         self.prefill = prefill
         self.decode = decode
@@ -69,7 +69,7 @@ class DisaggregatedCore:
         # prompts computed, first token sampled, waiting for a decode row (their pages
         # held in the prefill set meanwhile)
         self._handoffs: deque[Sequence] = deque()
-        self._target = pages_sharding(decode.mesh)
+        self._target = pages_sharding(decode.mesh, target)
 
     @classmethod
     def build(
@@ -102,6 +102,10 @@ class DisaggregatedCore:
     @property
     def model_config(self) -> ModelConfig:
         return self.decode.model_config
+
+    @property
+    def page_size(self) -> int:
+        return self.decode.page_size
 
     @property
     def limits(self) -> EngineLimits:

@@ -82,9 +82,11 @@ def build_draft(
     max_num_batched_tokens: int,
     chunk_size: int,
     max_prefill_seqs: int,
+    attention_choice: str = "auto",
 ) -> DraftProposer:
     """The draft's runner on the target's mesh (params placed by the caller, before the
-    pages are counted), its pages as many as the target's."""
+    pages are counted), its pages as many as the target's, read by the target's choice
+    of attention backend (the layout is the target's)."""
     platform = mesh.devices.flat[0].platform
     attention = attention_backend(
         platform,
@@ -92,6 +94,7 @@ def build_draft(
         mesh,
         chunk_size=chunk_size,
         max_prefill_seqs=max_prefill_seqs,
+        choice=attention_choice,
     )
     runner = Runner(
         params,

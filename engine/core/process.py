@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from engine.core.messages import FromCore, Log, Ready, ToCore, decode_to_core, encode
+from engine.xla_flags import set_backend_flags
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,9 @@ def run(config: ProcessConfig) -> int:
     root.handlers[:] = [_Forward(channel)]
     root.setLevel(config.log_level)
     try:
+        # before jax starts a backend: XLA reads XLA_FLAGS once (engine.xla_flags)
+        platform = set_backend_flags(os.environ)
+        logger.info("XLA flags for %s: %s", platform, os.environ.get("XLA_FLAGS", ""))
         if config.compile_cache_dir:
             import jax
 
@@ -198,7 +202,7 @@ def run(config: ProcessConfig) -> int:
                 kv_cache_bytes=core.kv_cache_bytes,
                 weight_bytes=core.weight_bytes,
                 num_pages=core.num_pages,
-                page_size=core.config.page_size,
+                page_size=core.page_size,
             )
         )
         args = (channel.receive, channel.send, grammar, config.fail_after_steps)

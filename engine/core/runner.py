@@ -127,20 +127,32 @@ def _recount(counts: jax.Array, row: jax.Array, ids: jax.Array) -> jax.Array:
     return counts.at[row].set(fresh)
 
 
-def _read_pages(pages: jax.Array, ids: jax.Array, *, layers: int) -> jax.Array:
-    return pages.reshape(layers, -1, *pages.shape[1:])[:, ids]
+def _layer_ids(ids: jax.Array, layers: int, per_layer: int) -> jax.Array:
+    """Pages `ids` of every layer in stacked pages (KVLayout.stacked), layer by layer;
+    an id past a layer's pages (padding) past every layer's."""
+    shifted = ids[None, :] + per_layer * jnp.arange(layers, dtype=jnp.int32)[:, None]
+    return jnp.where(ids[None, :] < per_layer, shifted, layers * per_layer).reshape(-1)
 
 
-def _write_pages(pages: jax.Array, ids: jax.Array, blocks: jax.Array, *, layers: int) -> jax.Array:
-    by_layer = pages.reshape(layers, -1, *pages.shape[1:])
-    return by_layer.at[:, ids].set(blocks, mode="drop").reshape(pages.shape)
+def _read_pages(pages: jax.Array, ids: jax.Array, *, layout: KVLayout, layers: int) -> jax.Array:
+    stacked = layout.stacked(layers)
+    return stacked.take(pages, _layer_ids(ids, layers, layout.num_pages))
 
 
-def pages_sharding(mesh: Mesh) -> NamedSharding:
+def _write_pages(
+    pages: jax.Array, ids: jax.Array, blocks: jax.Array, *, layout: KVLayout, layers: int
+) -> jax.Array:
+    stacked = layout.stacked(layers)
+    return stacked.put(pages, _layer_ids(ids, layers, layout.num_pages), blocks)
+
+
+def pages_sharding(mesh: Mesh, layout: KVLayout) -> NamedSharding:
     """A layer's pages split by kv head (the combined-heads axis) over the mesh."""
     if mesh.devices.size == 1:
         return NamedSharding(mesh, PartitionSpec())
-    return NamedSharding(mesh, PartitionSpec(None, None, MODEL_AXIS, None))
+    spec: list[str | None] = [None] * len(layout.shape)
+    spec[layout.head_axis] = MODEL_AXIS
+    return NamedSharding(mesh, PartitionSpec(*spec))
 
 
 @dataclass(frozen=True)
@@ -198,7 +210,7 @@ class Runner:
         )
         whole = NamedSharding(mesh, PartitionSpec())
         stacked = layout.stacked(cfg.num_layers)
-        self.pages = jax.jit(stacked.empty, out_shardings=pages_sharding(mesh))()
+        self.pages = jax.jit(stacked.empty, out_shardings=pages_sharding(mesh, stacked))()
         self.counts = jax.device_put(np.zeros((max_num_seqs, cfg.vocab_size), np.int32), whole)
         self.last = jax.device_put(np.zeros((max_num_seqs,), np.int32), whole)  # sampled
         eos = np.zeros((cfg.vocab_size,), bool)
@@ -217,9 +229,9 @@ class Runner:
         self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
         self._recount = jax.jit(_recount, donate_argnums=(0,))
         layers = cfg.num_layers
-        self._read_pages = jax.jit(functools.partial(_read_pages, layers=layers))
+        self._read_pages = jax.jit(functools.partial(_read_pages, layout=layout, layers=layers))
         self._write_pages = jax.jit(
-            functools.partial(_write_pages, layers=layers), donate_argnums=(0,)
+            functools.partial(_write_pages, layout=layout, layers=layers), donate_argnums=(0,)
         )
         self._fill = jax.jit(
             functools.partial(fill_program, cfg=cfg, attention=attention), donate_argnums=(1,)
@@ -291,8 +303,9 @@ class Runner:
         jax.block_until_ready(self.pages)
 
     def read_pages(self, ids: Sequence[int]) -> jax.Array:
-        """Every layer's pages `ids` (layers, pages, ...), padded to `Shapes.pages_per_seq`
-        (one shape); returns at once, ordered after the steps dispatched before it."""
+        """Every layer's pages `ids`, padded to `Shapes.pages_per_seq` (one shape), layer
+        by layer along the page axis; returns at once, ordered after the steps dispatched
+        before it."""
         table = np.zeros(self.shapes.pages_per_seq, np.int32)
         table[: len(ids)] = ids
         return cast(jax.Array, self._read_pages(self.pages, table))

@@ -301,8 +301,10 @@ def test_the_backend_per_platform() -> None:
     backend = attention_backend("cpu", layout, chunk_size=128, max_prefill_seqs=2)
     assert isinstance(backend, CpuAttention)
     assert isinstance(attention_backend("cpu", layout), ReferenceAttention)
-    assert isinstance(
-        attention_backend("gpu", layout, chunk_size=128, max_prefill_seqs=2), ReferenceAttention
+    # GPU: the reference only when chosen (GpuAttention's own: tests/engine/test_attention_gpu.py)
+    chosen = attention_backend(
+        "gpu", layout, chunk_size=128, max_prefill_seqs=2, choice="reference"
     )
+    assert isinstance(chosen, ReferenceAttention)
     with pytest.raises(ValueError):
         CpuAttention(KVLayout(8, PAGE, 2, 32, fold=2), chunk_size=128, max_prefill_seqs=2)

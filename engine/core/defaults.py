@@ -1,0 +1,43 @@
+"""Per-backend defaults for what the config leaves unset: the one table of them.
+
+Owns: `BACKEND_DEFAULTS` (platform -> `BackendDefaults`) and `defaults_for`. Receives a
+platform name ("cpu", "tpu", "gpu"); emits the prompt chunk, KV page size and memory
+fraction the engine core uses where its config gives None, with where each figure comes
+from. engine.core.core resolves its config through it, once, at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BackendDefaults:
+    chunk_size: int  # prompt positions per chunk
+    page_size: int  # positions per KV page
+    memory_utilization: float  # of each device's memory for params + KV (vLLM's default 0.9)
+    source: str  # where the figures come from
+    # GPU: the share of the device jax's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION,
+    # set by engine.xla_flags before jax starts; jax's own default is 0.75). The engine
+    # sizes its pages from what that allocator reports, so memory_utilization is a share
+    # of this share. None: the platform's allocator as it comes.
+    allocator_fraction: float | None = None
+
+
+AWAITING_MEASUREMENT = "awaiting measurement on a GPU (bench.gpu_decode; today's values kept)"
+
+BACKEND_DEFAULTS = {
+    "cpu": BackendDefaults(256, 16, 0.9, "bench/README.md, CPU"),
+    # A TPU step reads every weight once per chunk: a 1,024-token prompt in chunks of 256
+    # took 1.70x the roofline time of one pass over the weights (the 1B on v5e), in
+    # chunks of 512 ~1.1x (bench/README.md, "TPU programs").
+    "tpu": BackendDefaults(512, 16, 0.9, 'bench/README.md, "TPU programs"'),
+    # Not yet measured on a GPU: the values served before this table existed.
+    # The allocator's share: deploy/overlays/gpu's 0.90, now the engine's own default.
+    "gpu": BackendDefaults(256, 16, 0.9, AWAITING_MEASUREMENT, allocator_fraction=0.9),
+}
+
+
+def defaults_for(platform: str) -> BackendDefaults:
+    """The platform's defaults (an unknown platform gets the CPU's)."""
+    return BACKEND_DEFAULTS.get(platform, BACKEND_DEFAULTS["cpu"])
