@@ -48,7 +48,13 @@ class PromptTooLongError(EngineError, ValueError):
         super().__init__(message)
 
 
-DTYPE_NAMES = ("float32", "bfloat16")  # what --dtype takes; engine.checkpoint maps them
+# The choices of the flags that name an engine-side format, here (JAX-free) so the HTTP
+# process can check a flag at the edge without loading JAX:
+DTYPE_NAMES = ("float32", "bfloat16")  # --dtype; engine.checkpoint maps them
+QUANTIZATIONS = ("none", "int8")  # --quantization; engine.quant applies them
+# --kv-cache-dtype (vLLM's names); engine.attention.kv_dtype stores them, and a test holds
+# its own tuple equal to this one
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.request import ActiveRequest, RequestStream
 from engine.types import EngineLimits, EngineStats
+from frontend.request import ActiveRequest, RequestStream
 from tokenization.grammar import GrammarCompiler
 
 
@@ -52,7 +52,7 @@ class TokenizerClient(Protocol):
 
 
 class EngineHandle(Protocol):
-    """The engine operations the runtime and the request handlers use (engine.client)."""
+    """The engine operations the runtime and the request handlers use (frontend.client)."""
 
     @property
     def alive(self) -> bool: ...

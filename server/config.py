@@ -15,12 +15,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.attention.kv_dtype import KV_CACHE_DTYPES
 from engine.core.speculation import SpeculativeConfig
 from engine.faults import FaultPlan
 from engine.model_source import DEFAULT_MODEL, DEMO, DEMO_NAME
-from engine.quant import QUANTIZATIONS
 from engine.types import DTYPE_NAMES as DTYPES
+from engine.types import KV_CACHE_DTYPES, QUANTIZATIONS
 from server.tool_parsers import PARSERS as TOOL_PARSERS
 
 ENV_PREFIX = "LLM_SERVER_"

@@ -17,7 +17,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from engine.request import ActiveRequest
 from engine.types import (
     MAX_LOGPROBS,
     PromptTooLongError,
@@ -25,6 +24,7 @@ from engine.types import (
     TokenConstraint,
     TokenLogprobs,
 )
+from frontend.request import ActiveRequest
 from server.backend import ModelLimits, TokenizerClient
 from server.beam_plan import BeamSettings, beam_settings
 from server.config import ServerConfig

@@ -1,6 +1,6 @@
 """The engine core's own process: `python -m engine.core.process CONFIG_JSON`.
 
-Runs on: a child of the HTTP process (engine.client starts it), its main thread running
+Runs on: a child of the HTTP process (frontend.core_process starts it), its main thread running
 the CoreLoop. Owns: the two sockets to the parent (ZMQ PULL for requests, PUSH for
 outputs), the process's logging (every record is forwarded to the parent, which writes
 it in the server's format), the compile cache setting, and the exit code: 0 after a
@@ -40,10 +40,11 @@ class ProcessConfig:
     """Everything the child needs, sent as JSON on its command line."""
 
     core: dict[str, Any]  # engine.core.core.CoreConfig's fields
-    requests_address: str  # the parent binds both; the child connects
-    outputs_address: str
+    # the parent binds both (frontend.core_process sets them); the child connects
+    requests_address: str = ""
+    outputs_address: str = ""
     log_level: int = logging.INFO
-    compile_cache_dir: str | None = None
+    compile_cache_dir: str | None = None  # JAX_COMPILATION_CACHE_DIR, when set, wins
     fail_after_steps: int | None = None  # test hook: the loop fails after this many steps
     structured_outputs: bool = True  # compile grammars (needs the checkpoint's tokenizer)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -139,6 +140,22 @@ def _grammar_compiler(model_path: str, vocab_size: int) -> Any:
     return compile_grammar
 
 
+def enable_compile_cache(folder: str) -> str:
+    """Keep XLA's compiled programs on disk (every shape), so a restart warms up from them:
+    under `folder`, unless the environment already named one (JAX_COMPILATION_CACHE_DIR:
+    the container image sets it). Returns the folder in use."""
+    import jax
+
+    current = getattr(jax.config, "jax_compilation_cache_dir", None)
+    if not current:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", folder)
+        current = folder
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    logger.info("compile cache: %s", current)
+    return str(current)
+
+
 def _die_with_parent() -> None:
     """The parent holds the write end of this process's stdin: end of file there means it
     is gone, and a core must never outlive (or keep compiling for) a server that is."""
@@ -160,10 +177,7 @@ def run(config: ProcessConfig) -> int:
     root.setLevel(config.log_level)
     try:
         if config.compile_cache_dir:
-            import jax
-
-            jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            enable_compile_cache(config.compile_cache_dir)
         from engine.core.core import EngineCore
         from engine.core.disaggregated import DisaggregatedCore
         from engine.core.loop import CoreLoop

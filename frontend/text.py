@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Protocol
 
-from engine.request import ActiveRequest
 from engine.types import SamplingParams
+from frontend.request import ActiveRequest
 
 
 class Detokenizer(Protocol):
