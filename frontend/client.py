@@ -1,9 +1,11 @@
 """The HTTP process's engine client: requests out, ordered text deltas back.
 
 Runs on: the callers' threads (submit, abort, drain, stop, stats) and the core handle's
-receiver and watcher threads (frontend.core_process). Owns: the core's lifecycle as this
-process sees it (starting, ready, failed; the error and the failure listeners) and what
-the core published when ready (its limits, EOS ids, sizes). Delegates the open requests
+receiver and watcher threads (frontend.core_process). Owns: whether the core process
+lives (ready, failed: the error and the failure listeners) and what the core published
+when ready (its limits, EOS ids, sizes). The serving state (loading, ready, draining,
+stopped, failed) is server.lifecycle.Runtime's alone; `drain` is the engine's half of
+its drain (refuse, wait for the open requests, stop). Delegates the open requests
 to the output processor (frontend.output), the seeds and the AddRequest to the input
 step (frontend.input), the process and its sockets to the core handle.
 
@@ -49,7 +51,6 @@ class EngineClient:
         self._dead = threading.Event()
         self._error: BaseException | None = None
         self._listeners: list[Callable[[BaseException], None]] = []
-        self._draining = False
         self._stopped = False
         self._stats = Stats(0, 0, 1, 1, 0, 0, 0, 0, 0)
         self.info: Ready | None = None
@@ -97,7 +98,6 @@ class EngineClient:
 
     def drain(self, timeout: float) -> bool:
         """Refuse new requests, let open ones finish for up to `timeout` s, then stop."""
-        self._draining = True
         self._outputs.refuse("the server is shutting down")
         left = self._outputs.wait_idle(timeout, self._dead)
         drained = left == 0 and self._error is None
@@ -138,7 +138,7 @@ class EngineClient:
             kv_pages_used=stats.pages_total - stats.pages_free,
             kv_pages_total=stats.pages_total,
             alive=self.alive,
-            draining=self._draining,
+            draining=self._outputs.refusing,
             steps=stats.steps,
             prefix_queries=stats.prefix_queries,
             prefix_hits=stats.prefix_hits,

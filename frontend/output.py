@@ -83,6 +83,12 @@ class OutputProcessor:
         with self._lock:
             return len(self._open)
 
+    @property
+    def refusing(self) -> bool:
+        """Whether new requests are refused (not ready, draining, stopped or failed)."""
+        with self._lock:
+            return self._refusal is not None
+
     def refuse(self, reason: str | None) -> None:
         """New requests get Unavailable(reason) from now on (None: accept them again)."""
         with self._lock:

@@ -3,8 +3,10 @@
 Runs on: the event loop (every method except the loader thread and the
 engine's failure listener, which hop onto the loop). Owns: the loaded
 backend, readiness, liveness, the count of in-flight generation requests and
-the drain. It never ends the process itself: it sets `exit_requested` and the
-entrypoint decides (exit code 0 after a drain, 1 after a fault).
+the drain: the one owner of the serving state (the engine client only knows whether
+its core process lives, and does the engine's half of a drain when told). It never
+ends the process itself: it sets `exit_requested` and the entrypoint decides (exit
+code 0 after a drain, 1 after a fault).
 """
 
 from __future__ import annotations
