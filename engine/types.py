@@ -61,8 +61,8 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 class EngineLimits:
     """What a loaded engine can take, published once and asked by everyone.
 
-    The server turns `check` into 400s before queueing; the orchestrator calls the
-    same `check` when it admits a request, so the rule cannot drift.
+    The server turns `check` into 400s at the edge; the core calls the same `check`
+    when a request arrives (engine.core.loop), so the rule cannot drift.
     """
 
     max_model_len: int  # prompt + completion tokens
@@ -234,8 +234,9 @@ class SamplingParams:
         """SamplingError when logit_bias, allowed_token_ids or logprob_token_ids names an id
         outside the vocabulary.
 
-        The one owner of this rule: the server asks it for a 400, the engine before
-        building the device arrays.
+        The one owner of this rule inside the engine: the core asks it when a request
+        arrives (engine.core.loop), before any device array is built; the server checks the
+        same ids at the edge with vLLM's wording (server.params.check_vocab).
         """
         named = (
             ("logit_bias", [token for token, _ in self.logit_bias]),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from engine.core.messages import Failed, FromCore, Log, Outputs, Ready, Stats
 from engine.core.process import ProcessConfig
@@ -39,11 +39,10 @@ class EngineClient:
         self,
         config: ProcessConfig,
         text_streams: TextStreamFactory,
-        eos_token_ids: Collection[int],
         *,
         max_queued_samples: int = 256,
     ) -> None:
-        self._eos = frozenset(eos_token_ids)
+        self._eos: frozenset[int] = frozenset()  # the core's, sent when ready
         self._core = CoreProcess(config)
         self._outputs = OutputProcessor(text_streams, self._core.send, max_queued_samples)
         self._lock = threading.Lock()  # the error and the listeners
@@ -119,11 +118,8 @@ class EngineClient:
 
     # -- requests -----------------------------------------------------------------------
     def submit(self, request: ActiveRequest) -> RequestStream:
-        max_tokens = self.limits.check(len(request.prompt_ids), request.max_tokens)
-        request.sampling.check_vocab(self.limits.vocab_size)
         samplings = sample_samplings(request)
-        message = add_request(request, samplings, max_tokens, self._eos)
-        return self._outputs.open(request, samplings, message)
+        return self._outputs.open(request, samplings, add_request(request, samplings))
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; no-op for an unknown or finished one."""
@@ -159,7 +155,7 @@ class EngineClient:
     def _on_ready(self, ready: Ready) -> None:
         self.info = ready
         self.limits = EngineLimits(ready.max_model_len, ready.max_model_len - 1, ready.vocab_size)
-        self._eos = self._eos | frozenset(ready.eos_token_ids)
+        self._eos = frozenset(ready.eos_token_ids)
         self._outputs.refuse(None)
         self._ready.set()
 

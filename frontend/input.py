@@ -2,8 +2,9 @@
 
 Runs on: the submitting thread. Owns: seeding (a request without a seed draws one; its
 n samples' seeds follow from it) and the AddRequest it becomes. Receives an
-ActiveRequest and the completion's token budget (EngineLimits.check's); emits
-the samples' SamplingParams (for the output processor) and the AddRequest.
+ActiveRequest; emits the samples' SamplingParams (for the output processor) and the
+AddRequest. Checks nothing: the server checked the request at the edge, the core checks
+it again where its rules are enforced (engine.core.loop).
 """
 
 from __future__ import annotations
@@ -29,22 +30,16 @@ def sample_samplings(request: ActiveRequest) -> tuple[SamplingParams, ...]:
     )
 
 
-def add_request(
-    request: ActiveRequest,
-    samplings: tuple[SamplingParams, ...],
-    max_tokens: int,
-    eos_token_ids: frozenset[int],
-) -> AddRequest:
-    """The message the core gets: token ids, seeded samples, the budget and the ids that
-    stop a sample (the request's, and EOS unless it ignores it)."""
+def add_request(request: ActiveRequest, samplings: tuple[SamplingParams, ...]) -> AddRequest:
+    """The message the core gets: token ids, seeded samples, and what the core's token
+    rules read (the budget, the request's stop ids, ignore_eos; the EOS set is the core's)."""
     return AddRequest(
         request_id=request.request_id,
         prompt=tuple(request.prompt_ids),
         samples=tuple(Sample.of(s) for s in samplings),
-        max_tokens=max_tokens,
-        stop_token_ids=tuple(
-            sorted(set(request.stop_token_ids) | (set() if request.ignore_eos else eos_token_ids))
-        ),
+        max_tokens=request.max_tokens,
+        stop_token_ids=tuple(sorted(set(request.stop_token_ids))),
+        ignore_eos=request.ignore_eos,
         prompt_logprobs=_prompt_logprobs(request),
         grammar=_grammar(request.sampling),
     )

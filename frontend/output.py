@@ -192,7 +192,7 @@ class OutputProcessor:
                 timings.prefill_start = out.scheduled or now
                 timings.prefill_end = timings.first_token = now
         text = open_.texts[out.index]
-        step = text.add(out.token, last=out.finish == "length", done=out.done)
+        step = text.add(out.token, finish=out.finish, done=out.done, stop_token=out.stop_reason)
         open_.stream.push(_delta(open_, out, step, text.tokens, now), wakeups)
         if step.finish_reason is None:
             return

@@ -39,9 +39,7 @@ def enable_compile_cache(config: ServerConfig) -> Path | None:
     return Path(enable(str(config.compile_cache_dir)))
 
 
-def load_core(
-    config: ServerConfig, text_streams: TextStreamFactory, eos_token_ids: frozenset[int]
-) -> EngineClient:
+def load_core(config: ServerConfig, text_streams: TextStreamFactory) -> EngineClient:
     """The engine core over paged KV in its own process, warmed up, behind an EngineClient:
     one tensor-parallel mesh, on one host or (multi-host) over every process's devices,
     the core process leading the others (engine.multihost); or a prefill and a decode
@@ -51,25 +49,8 @@ def load_core(
     from frontend.client import EngineClient
 
     fault = None if config.fault_injection is None else FaultPlan.parse(config.fault_injection)
-    core = {
-        "model_path": str(model_path(config)),
-        "dtype": config.dtype,
-        "quantization": config.quantization or "none",
-        "kv_cache_dtype": config.kv_cache_dtype,
-        "max_num_seqs": config.max_num_seqs,
-        "max_model_len": config.max_model_len,
-        "max_num_batched_tokens": config.batched_tokens,
-        "chunk_size": config.prefill_chunk,
-        "page_size": config.page_size,
-        "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
-        "memory_utilization": config.gpu_memory_utilization,
-        "prefix_caching": config.prefix_caching,
-        "async_scheduling": config.async_scheduling,
-        "tensor_parallel_size": config.tensor_parallel_size,
-        "speculative_config": config.speculative_config,
-    }
     process = ProcessConfig(
-        core=core,
+        core=config.core_config(str(model_path(config))),
         log_level=logging.getLogger().getEffectiveLevel(),
         compile_cache_dir=str(config.compile_cache_dir) if config.compile_cache else None,
         fail_after_steps=None if fault is None else fault.after,
@@ -79,27 +60,23 @@ def load_core(
         prefill_devices=config.prefill_devices,  # disaggregated (engine.core.disaggregated)
         generate_devices=config.generate_devices,
     )
-    client = EngineClient(
-        process, text_streams, eos_token_ids, max_queued_samples=config.max_queued_samples
-    )
+    client = EngineClient(process, text_streams, max_queued_samples=config.max_queued_samples)
     client.start()
     return client
 
 
 def load_backend(config: ServerConfig) -> Backend:
     """Load, warm up and start; raises on any failure (the runtime reports it)."""
-    from engine.config import load_model_config
     from frontend.text import text_streams
     from tokenization import Tokenizer
 
     path = model_path(config)
     template = config.chat_template.read_text(encoding="utf-8") if config.chat_template else None
     tokenizer = Tokenizer.from_folder(path, chat_template=template)
-    eos = tokenizer.eos_token_ids | frozenset(load_model_config(path).eos_token_ids)
-    client = load_core(config, text_streams(tokenizer.detokenizer, eos), eos)
+    client = load_core(config, text_streams(tokenizer.detokenizer))
     return Backend(
         tokenizer=tokenizer,
         engine=client,
         limits=client.limits,
-        eos_token_ids=client.eos_token_ids,
+        eos_token_ids=client.eos_token_ids,  # the core's (beam search reads them)
     )

@@ -340,7 +340,6 @@ def sampling_params(
             constraint=constraint,
             logprob_token_ids=None if picked is None else tuple(picked),
         )
-        sampling.check_vocab(limits.vocab_size)
     except ValueError as exc:  # SamplingError names its field
         raise bad_request(str(exc), param=getattr(exc, "param", None)) from exc
     return sampling

@@ -29,7 +29,7 @@ FORBIDDEN = {
 # the core process's command-line config, the flags' own parsers. None of them imports JAX.
 JAX_FREE_ENGINE = {
     "engine.types",
-    "engine.config",
+    "engine.core.config",
     "engine.core.messages",
     "engine.core.process",
     "engine.core.speculation",

@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 import jax
 
 from engine.config import ModelConfig
-from engine.core.core import CoreConfig, EngineCore, Pending
+from engine.core.config import CoreConfig
+from engine.core.core import EngineCore, Pending
 from engine.core.messages import Stats
 from engine.core.runner import pages_sharding
 from engine.core.sequence import Emitted, Sequence

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
 from engine.config import ModelConfig
-from engine.core.core import CoreConfig
+from engine.core.config import CoreConfig
 from engine.core.messages import (
     Abort,
     AddRequest,
@@ -36,7 +36,7 @@ from engine.core.messages import (
 )
 from engine.core.scheduler import Emitted, Sequence
 from engine.faults import InjectedFault
-from engine.types import TokenConstraint, TokenLogprobs
+from engine.types import EngineLimits, TokenConstraint, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ class Core(Protocol[P]):
     @property
     def model_config(self) -> ModelConfig: ...
     @property
+    def limits(self) -> EngineLimits: ...
+    @property
     def busy(self) -> bool: ...
     def launch(self, ahead: bool = False) -> P | None: ...
     def finish(self, pending: P) -> list[Emitted]: ...
@@ -87,8 +89,11 @@ class CoreLoop(Generic[P]):
         send: Send,
         compile_grammar: CompileGrammar | None = None,
         fail_after_steps: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """`eos_token_ids`: EOS ids besides the model config's (the tokenizer's)."""
         self._core = core
+        self.eos_token_ids = frozenset(core.model_config.eos_token_ids) | eos_token_ids
         self._receive = receive
         self._send = send
         self._compile_grammar = compile_grammar
@@ -145,12 +150,17 @@ class CoreLoop(Generic[P]):
         return None
 
     def _add(self, request: AddRequest) -> None:
+        """The request's sequences, or ValueError (a rejection: 400) when its prompt does
+        not fit, an id is outside the vocabulary or its grammar does not compile: where
+        these are enforced (the server checked them first, to answer early)."""
+        max_tokens = self._core.limits.check(len(request.prompt), request.max_tokens)
         constraint = None
         if request.grammar is not None:
             if self._compile_grammar is None:
                 raise ValueError("structured outputs are not available on this engine")
             constraint = self._compile_grammar(request.grammar.kind, request.grammar.text)
         stop = frozenset(request.stop_token_ids)
+        eos = frozenset() if request.ignore_eos else self.eos_token_ids
         seqs = []
         for index, sample in enumerate(request.samples):
             sampling = sample.params()
@@ -162,8 +172,9 @@ class CoreLoop(Generic[P]):
                     seq_id(request.request_id, index),
                     request.prompt,
                     sampling,
-                    request.max_tokens,
+                    max_tokens,
                     stop_token_ids=stop,
+                    eos_token_ids=eos,
                     prompt_logprobs=request.prompt_logprobs,
                 )
             )
@@ -197,6 +208,7 @@ class CoreLoop(Generic[P]):
             cached_tokens=event.cached_tokens,
             prompt_logprobs=prompt,
             scheduled=event.scheduled or 0.0,
+            stop_reason=event.stop_reason,
         )
 
 

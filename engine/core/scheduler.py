@@ -41,7 +41,8 @@ import numpy as np
 
 from engine.core.pages import PagePool
 from engine.core.plan import RowWork, StepPlan, StepResult
-from engine.core.sequence import Emitted, SchedulerConfig, Sequence, advance_grammar
+from engine.core.rules import advance_grammar, finish_reason
+from engine.core.sequence import Emitted, SchedulerConfig, Sequence
 from engine.core.speculation import (
     PAUSE_BELOW,
     RECOVERY,
@@ -269,7 +270,10 @@ class Scheduler:
         first = not seq.output
         seq.append(token)
         done, error = advance_grammar(seq, token, self._base(seq))
-        reason = "stop" if done or error is not None else self._finish_reason(seq, token)
+        reason: str | None = "stop"  # a complete or failed grammar ends it
+        stop_reason: int | None = None
+        if not done and error is None:
+            reason, stop_reason = finish_reason(seq, token, self.config.max_model_len)
         top = result.alternatives(at, seq.sampling)
         prompt = None
         if first and seq.prompt_logprobs is not None:
@@ -285,6 +289,7 @@ class Scheduler:
             done=done,
             error=error,
             scheduled=seq.scheduled if first else None,
+            stop_reason=stop_reason,
         )
 
     def _verify(self, seq: Sequence, work: RowWork, result: StepResult, at: int) -> list[Emitted]:
@@ -381,13 +386,6 @@ class Scheduler:
         return (
             len(seq.output) + seq.owed >= seq.max_tokens or seq.length >= self.config.max_model_len
         )
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in seq.stop_token_ids and len(seq.output) > seq.sampling.min_tokens:
-            return "stop"
-        if len(seq.output) >= seq.max_tokens or len(seq.tokens) >= self.config.max_model_len:
-            return "length"
-        return None
 
     def _base(self, seq: Sequence) -> np.ndarray:
         """allowed_token_ids' mask (every token when it has none)."""

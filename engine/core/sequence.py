@@ -3,8 +3,7 @@
 Owns nothing shared: a `Sequence` belongs to the one scheduler that holds it (the core
 loop's thread), and moves whole between schedulers when a disaggregated core hands a
 prompt's sequence from its prefill set to its decode set. `Emitted` is the event a
-sampled token becomes; `SchedulerConfig` the bounds a scheduler plans within;
-`advance_grammar` a sequence's structured-output matcher taking its sampled token.
+sampled token becomes; `SchedulerConfig` the bounds a scheduler plans within.
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ class Sequence:  # identities, never every field of two sequences
     prompt: tuple[int, ...]
     sampling: SamplingParams  # seed set; its constraint, if any, is the grammar
     max_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignored) and the request's
+    stop_token_ids: frozenset[int] = frozenset()  # the request's (stop_reason: the id)
+    eos_token_ids: frozenset[int] = frozenset()  # the model's, unless the request ignores EOS
     prompt_logprobs: int | None = None  # alternatives per prompt position (None: none)
     output: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
@@ -99,6 +99,7 @@ class Emitted:
     done: bool = False  # its grammar is complete with this token
     error: str | None = None  # the sequence failed (its grammar refused); it has ended
     scheduled: float | None = None  # first token only: when its first step began
+    stop_reason: int | None = None  # the stop token id that ended it (None: EOS or other)
 
 
 @dataclass
@@ -129,22 +130,3 @@ class SchedulerConfig:
             raise ValueError("a prefill-only scheduler does not speculate")
         if self.max_prefill_seqs == 0:
             self.max_prefill_seqs = self.max_num_batched_tokens
-
-
-def advance_grammar(seq: Sequence, token: int, base: np.ndarray) -> tuple[bool, str | None]:
-    """(grammar complete, why it failed): seq's matcher takes the token, and the mask of
-    its next one is computed within `base` (allowed_token_ids'; an empty mask fails it)."""
-    if seq.matcher is None:
-        return False, None
-    try:
-        if seq.matcher.advance(token):
-            return True, None
-        mask = np.empty_like(base)
-        seq.matcher.fill_mask(mask)
-        mask &= base
-        if not mask.any():
-            raise ValueError("no token the request allows can come next")
-    except ValueError as exc:  # the request's constraint failed, not the core
-        return False, str(exc)
-    seq.mask = mask
-    return False, None

@@ -42,7 +42,7 @@ def processor(sent: list[ToCore], max_queued: int = 1000) -> OutputProcessor:
 def submit(out: OutputProcessor, request_id: str, n: int) -> RequestStream:
     request = ActiveRequest(request_id, (1, 2), SamplingParams(seed=1), max_tokens=4, n=n)
     samplings = sample_samplings(request)
-    return out.open(request, samplings, add_request(request, samplings, 4, frozenset()))
+    return out.open(request, samplings, add_request(request, samplings))
 
 
 def token(request_id: str, index: int, value: int = 7, finish: str | None = None) -> TokenOut:
