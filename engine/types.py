@@ -1,7 +1,10 @@
 """Plain data every layer of the engine shares: sampling parameters, limits, logprobs,
 structured-output constraints (as protocols), the engine's stats, and its errors.
 
-Nothing here touches a device, a thread or a socket.
+Owns: these types, the rules each value must satisfy (SamplingParams' ranges,
+EngineLimits.check, SamplingParams.check_vocab), and the names of the engine-side flag
+choices (DTYPE_NAMES, QUANTIZATIONS, KV_CACHE_DTYPES). Nothing here touches a device, a
+thread or a socket, nor imports JAX: the HTTP process reads it too.
 """
 
 from __future__ import annotations

@@ -80,10 +80,6 @@ class EngineClient:
         return self._ready.is_set() and self._error is None and not self._dead.is_set()
 
     @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    @property
     def eos_token_ids(self) -> frozenset[int]:
         return self._eos
 

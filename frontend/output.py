@@ -73,17 +73,6 @@ class OutputProcessor:
         self._refusal: str | None = "the engine is not ready"
 
     @property
-    def waiting(self) -> int:
-        """Samples submitted that have no first token yet (the admission count)."""
-        with self._lock:
-            return self._waiting
-
-    @property
-    def open_count(self) -> int:
-        with self._lock:
-            return len(self._open)
-
-    @property
     def refusing(self) -> bool:
         """Whether new requests are refused (not ready, draining, stopped or failed)."""
         with self._lock:

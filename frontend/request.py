@@ -5,7 +5,8 @@ and yields `Delta`s, in order, until all n samples have finished. The output
 processor (frontend.output, on the receiver thread) pushes into the stream; the
 consumer iterates it either from asyncio (`async for`, woken with
 `loop.call_soon_threadsafe`) or from a plain thread (`for`). A stream is closed
-exactly once: finished, aborted, or failed.
+exactly once: finished, aborted, or failed. Owns: these types and the errors a submit
+or a stream raises (the server maps each to its HTTP status).
 """
 
 from __future__ import annotations
@@ -169,14 +170,6 @@ class RequestStream:
         """True once no more deltas will be added (finished, aborted or failed)."""
         return self._closed is not None
 
-    @property
-    def aborted(self) -> bool:
-        return self._closed is not None and self._closed.aborted
-
-    @property
-    def error(self) -> RequestFailed | None:
-        return None if self._closed is None else self._closed.error
-
     def push(self, delta: Delta, wakeups: Wakeups | None = None) -> bool:
         """Append a delta; False when the stream is already closed. With `wakeups`, an
         asyncio consumer is woken when they are (`Wakeups.wake`), not at once."""
@@ -236,17 +229,6 @@ class RequestStream:
                 await future
             else:
                 yield item
-
-    def collect(self, timeout: float | None = None) -> list[Delta]:
-        """Block until the stream ends and return all its deltas (tests, sync callers)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._closed is None:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"request {self.request_id} did not end in {timeout} s")
-                self._cond.wait(remaining)
-        return list(self)
 
     def _raise_if_failed(self) -> None:
         closed = self._closed

@@ -2,7 +2,7 @@
 
 Signals: the first SIGTERM (or SIGINT) starts a drain (readiness 503, new
 requests 503, in-flight ones finish up to --drain-timeout) and then the
-process exits 0; a second signal exits at once. A stage fault ends the
+process exits 0; a second signal exits at once. An engine core that fails ends the
 process with exit code 1 so Kubernetes restarts it.
 
 Connections: uvicorn's h11 protocol with deadlines on what a client owes

@@ -98,7 +98,7 @@ class Runtime:
     # --- failure ----------------------------------------------------------------------
     def _failure_from_thread(self, *args: Any) -> None:
         error = next((a for a in args if isinstance(a, BaseException)), None)
-        self._call_soon(self._fail, error or RuntimeError("an engine stage died"))
+        self._call_soon(self._fail, error or RuntimeError("the engine core died"))
 
     def _fail(self, error: BaseException) -> None:
         if self.state is State.FAILED:
@@ -116,7 +116,7 @@ class Runtime:
     # --- probes -----------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        """Liveness: the process and every stage are alive (loading counts as alive)."""
+        """Liveness: the process and its engine core are alive (loading counts as alive)."""
         if self.state is State.FAILED:
             return False
         return self.backend is None or self.backend.engine.alive

@@ -1,10 +1,12 @@
-"""The engine core's configuration: one frozen, validated value, JAX-free.
+"""The engine core's configuration, JAX-free: what a core serves with, and its bounds.
 
 Owns: `CoreConfig`, what a core loads and the shapes it serves with (vLLM's names where
-they exist), and the rule for each of its fields. Built once by the server from its flags
-(server.config.ServerConfig.core_config), validated there (so a bad flag fails before
-anything starts), sent to the core process as JSON (engine.core.process.ProcessConfig)
-and rebuilt, with the same checks, where it is used (engine.core.core.EngineCore).
+they exist), and the rule for each of its fields; and `SchedulerConfig`, the bounds one
+scheduler plans within (the core derives it from its CoreConfig and the backend).
+A CoreConfig is built once by the server from its flags (ServerConfig.core_config),
+validated there (so a bad flag fails before anything starts), sent to the core process
+as JSON (engine.core.process.ProcessConfig) and rebuilt, with the same checks, where it
+is used (engine.core.core.EngineCore).
 """
 
 from __future__ import annotations
@@ -102,3 +104,35 @@ class CoreConfig:
                 f"max_position_embeddings {cfg.max_position_embeddings}"
             )
         return self.max_model_len
+
+
+@dataclass
+class SchedulerConfig:
+    """The bounds one scheduler plans within (engine.core.scheduler)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    chunk_size: int  # prompt positions per chunk, a multiple of the page size
+    max_prefill_seqs: int = 0  # prompt chunks per step (0: as many as the budget takes)
+    vocab_size: int = 0  # for allowed_token_ids' masks (0: no masks)
+    speculative: SpeculativeConfig | None = None  # drafts for decode rows (None: none)
+    # a disaggregated core's prefill set: prompts only; a sequence leaves for the decode
+    # set once its first token is sampled (Scheduler.take_handoffs)
+    prefill_only: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_size > self.max_num_batched_tokens:
+            raise ValueError(
+                f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}"
+            )
+        if self.max_prefill_seqs < 0:
+            raise ValueError(f"max_prefill_seqs must be >= 0, got {self.max_prefill_seqs}")
+        if self.prefill_only and self.speculative is not None:
+            raise ValueError("a prefill-only scheduler does not speculate")
+        if self.max_prefill_seqs == 0:
+            self.max_prefill_seqs = self.max_num_batched_tokens

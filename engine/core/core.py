@@ -20,13 +20,13 @@ from pathlib import Path
 from engine.attention import KVLayout, attention_backend
 from engine.attention.kv_dtype import storage_dtype
 from engine.config import ModelConfig, load_model_config, tensor_parallel
-from engine.core.config import CoreConfig
+from engine.core.config import CoreConfig, SchedulerConfig
 from engine.core.draft import DraftProposer, build_draft, draft_config
 from engine.core.memory import KVBudget, pages_for_budget
 from engine.core.messages import Stats
 from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Launched, Runner, StepPlan
-from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
+from engine.core.scheduler import Emitted, Scheduler, SequenceState
 from engine.core.speculation import SpecCounters
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
 from engine.model import Params
@@ -181,7 +181,7 @@ class EngineCore:
             self.draft.runner.warmup()  # its proposals' steps
             self.draft.runner.warmup_fill()  # following the target's
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         self.scheduler.add(seq)
 
     def abort(self, seq_id: str) -> bool:
@@ -279,4 +279,4 @@ class Pending:
     launched: Launched
 
 
-__all__ = ["CoreConfig", "Emitted", "EngineCore", "Pending", "Sequence"]
+__all__ = ["CoreConfig", "Emitted", "EngineCore", "Pending", "SequenceState"]

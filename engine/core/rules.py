@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.core.sequence import Sequence
+from engine.core.sequence import SequenceState
 
 
-def advance_grammar(seq: Sequence, token: int, base: np.ndarray) -> tuple[bool, str | None]:
+def advance_grammar(seq: SequenceState, token: int, base: np.ndarray) -> tuple[bool, str | None]:
     """(grammar complete, why it failed): seq's matcher takes the token, and the mask of
     its next one is computed within `base` (allowed_token_ids'; an empty mask fails it)."""
     if seq.matcher is None:
@@ -34,7 +34,9 @@ def advance_grammar(seq: Sequence, token: int, base: np.ndarray) -> tuple[bool, 
     return False, None
 
 
-def finish_reason(seq: Sequence, token: int, max_model_len: int) -> tuple[str | None, int | None]:
+def finish_reason(
+    seq: SequenceState, token: int, max_model_len: int
+) -> tuple[str | None, int | None]:
     """(finish reason, stop token id) of the token seq just appended: the one definition of
     the token rules (the grammar's completion aside, decided first by `advance_grammar`).
 

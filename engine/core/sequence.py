@@ -1,9 +1,9 @@
 """A sequence as the scheduler tracks it, the tokens it emits, and the scheduler's bounds.
 
-Owns nothing shared: a `Sequence` belongs to the one scheduler that holds it (the core
+Owns nothing shared: a `SequenceState` belongs to the one scheduler that holds it (the core
 loop's thread), and moves whole between schedulers when a disaggregated core hands a
 prompt's sequence from its prefill set to its decode set. `Emitted` is the event a
-sampled token becomes; `SchedulerConfig` the bounds a scheduler plans within.
+sampled token becomes.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.core.speculation import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from engine.core.speculation import MAX_SPECULATIVE_TOKENS
 from engine.types import ConstraintMatcher, SamplingParams, TokenLogprobs
 
 
 @dataclass(eq=False)  # one object per sample: the scheduler's `in` and `remove` compare
-class Sequence:  # identities, never every field of two sequences
+class SequenceState:  # identities, never every field of two sequences
     """One sample being generated, as the scheduler tracks it."""
 
     seq_id: str
@@ -100,33 +100,3 @@ class Emitted:
     error: str | None = None  # the sequence failed (its grammar refused); it has ended
     scheduled: float | None = None  # first token only: when its first step began
     stop_reason: int | None = None  # the stop token id that ended it (None: EOS or other)
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    chunk_size: int  # prompt positions per chunk, a multiple of the page size
-    max_prefill_seqs: int = 0  # prompt chunks per step (0: as many as the budget takes)
-    vocab_size: int = 0  # for allowed_token_ids' masks (0: no masks)
-    speculative: SpeculativeConfig | None = None  # drafts for decode rows (None: none)
-    # a disaggregated core's prefill set: prompts only; a sequence leaves for the decode
-    # set once its first token is sampled (Scheduler.take_handoffs)
-    prefill_only: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.chunk_size > self.max_num_batched_tokens:
-            raise ValueError(
-                f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
-                f"{self.max_num_batched_tokens}"
-            )
-        if self.max_prefill_seqs < 0:
-            raise ValueError(f"max_prefill_seqs must be >= 0, got {self.max_prefill_seqs}")
-        if self.prefill_only and self.speculative is not None:
-            raise ValueError("a prefill-only scheduler does not speculate")
-        if self.max_prefill_seqs == 0:
-            self.max_prefill_seqs = self.max_num_batched_tokens

@@ -1,5 +1,6 @@
 """The output processor's admission count and open requests, driven without a core process:
-its inputs are the core's Outputs messages, its outputs the Deltas and the messages sent."""
+its inputs are the core's Outputs messages, its outputs the Deltas and the messages sent.
+The count is read the way production reads it: by what the admission bound lets in."""
 
 from __future__ import annotations
 
@@ -49,30 +50,51 @@ def token(request_id: str, index: int, value: int = 7, finish: str | None = None
     return TokenOut(request_id, index, value, 0.0, finish=finish)
 
 
+def waiting(out: OutputProcessor, bound: int) -> int:
+    """The admission count, as the bound sees it: the most samples one more request may
+    ask for is bound - count (probed, then aborted again; a count gone negative, a sample
+    subtracted twice, would let more than `bound` in)."""
+    for room in range(bound + 8, 0, -1):
+        try:
+            submit(out, "probe", n=room)
+        except Overloaded:
+            continue
+        out.abort("probe")
+        return bound - room
+    return bound
+
+
+def open_count(out: OutputProcessor) -> int:
+    """Requests still open (what a drain waits for)."""
+    return out.wait_idle(0, threading.Event())
+
+
 def test_an_abort_between_two_first_tokens_counts_each_sample_once() -> None:
     sent: list[ToCore] = []
-    out = processor(sent)
+    out = processor(sent, max_queued=4)
     stream = submit(out, "r", n=2)
-    assert out.waiting == 2 and isinstance(sent[0], AddRequest)
+    assert isinstance(sent[0], AddRequest)
+    assert waiting(out, 4) == 2
     out.take(Outputs((token("r", 0),), STATS))
-    assert out.waiting == 1
+    assert waiting(out, 4) == 1
     out.abort("r")
-    assert out.waiting == 0
-    assert sent[-1] == Abort((("r", 0), ("r", 1)))
+    assert Abort((("r", 0), ("r", 1))) in sent
+    assert waiting(out, 4) == 0
     out.take(Outputs((token("r", 1),), STATS))  # in flight when the abort went out
-    assert out.waiting == 0
-    assert stream.aborted and out.open_count == 0
+    assert waiting(out, 4) == 0  # not -1: the sample left the count once
+    assert stream.finished and open_count(out) == 0
+    assert [d.index for d in stream] == [0]  # the token after the abort was dropped
 
 
 def test_aborts_racing_the_receiver_leave_the_count_at_zero() -> None:
     """Many requests, first tokens from one thread and aborts from another, in random
     order: every sample leaves the count exactly once, whichever comes first."""
     sent: list[ToCore] = []
-    out = processor(sent)
+    out = processor(sent, max_queued=600)
     ids = [f"r{i}" for i in range(300)]
     for request_id in ids:
         submit(out, request_id, n=2)
-    assert out.waiting == 600
+    assert waiting(out, 600) == 600
     rng = random.Random(0)
     firsts = [(request_id, i) for request_id in ids for i in range(2)]
     rng.shuffle(firsts)
@@ -94,11 +116,11 @@ def test_aborts_racing_the_receiver_leave_the_count_at_zero() -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert out.waiting == 0  # every sample has a first token or was aborted
-    assert out.open_count == len(ids) - len(aborts)
+    assert waiting(out, 600) == 0  # every sample has a first token or was aborted
+    assert open_count(out) == len(ids) - len(aborts)
     for request_id in ids:
         out.abort(request_id)
-    assert out.waiting == 0 and out.open_count == 0
+    assert waiting(out, 600) == 0 and open_count(out) == 0
 
 
 def test_a_sample_the_core_ends_is_counted_and_closed_once() -> None:
@@ -106,11 +128,12 @@ def test_a_sample_the_core_ends_is_counted_and_closed_once() -> None:
     out = processor(sent)
     stream = submit(out, "r", n=1)
     out.take(Outputs((token("r", 0, 4), token("r", 0, 5, finish="length")), STATS))
-    deltas = stream.collect(timeout=5)
+    assert stream.finished
+    deltas = list(stream)
     assert [d.text for d in deltas] == ["4", "5"]
     assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 2
-    assert out.waiting == 0 and out.open_count == 0
     assert not any(isinstance(m, Abort) for m in sent)  # the core ended it itself
+    assert waiting(out, 1000) == 0 and open_count(out) == 0
 
 
 def test_the_admission_bound_counts_samples_without_a_first_token() -> None:
@@ -121,4 +144,4 @@ def test_the_admission_bound_counts_samples_without_a_first_token() -> None:
         submit(out, "b", n=2)
     out.take(Outputs((token("a", 0),), STATS))
     submit(out, "b", n=2)  # a's first sample started: room for two
-    assert out.waiting == 3
+    assert waiting(out, 3) == 3

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from engine.core.messages import Outputs, Stats, TokenOut
 from engine.core.rules import finish_reason
-from engine.core.sequence import Sequence
+from engine.core.sequence import SequenceState
 from engine.types import SamplingParams
 from frontend.input import add_request, sample_samplings
 from frontend.output import OutputProcessor
@@ -36,7 +36,7 @@ def core_side(
 ) -> list[TokenOut]:
     """The tokens the core sends for these sampled ids, each with its verdict."""
     sampling = SamplingParams(seed=0, min_tokens=min_tokens)
-    seq = Sequence("0:r", (1,), sampling, budget, stop_token_ids=stop_ids, eos_token_ids=eos)
+    seq = SequenceState("0:r", (1,), sampling, budget, stop_token_ids=stop_ids, eos_token_ids=eos)
     outs = []
     for token in ids:
         seq.append(token)
@@ -57,7 +57,8 @@ def http_side(tok: Tokenizer, outs: list[TokenOut], min_tokens: int, budget: int
     samplings = sample_samplings(request)
     stream = out.open(request, samplings, add_request(request, samplings))
     out.take(Outputs(tuple(outs), STATS))
-    return stream.collect(timeout=5)
+    assert stream.finished  # the core ended the sample, and so the request
+    return list(stream)
 
 
 def expected_end(ids: list[int], min_tokens: int, budget: int, stops: frozenset[int]) -> int:

@@ -16,7 +16,7 @@ from engine.config import load_model_config
 from engine.core.core import CoreConfig
 from engine.core.disaggregated import DisaggregatedCore
 from engine.core.messages import Abort, Grammar
-from engine.core.sequence import Sequence
+from engine.core.sequence import SequenceState
 from engine.types import SamplingParams
 from tests.engine.core.test_core import Only
 from tests.engine.core.test_loop import (
@@ -137,7 +137,7 @@ def test_an_abort_while_waiting_for_a_decode_row(folder) -> None:  # type: ignor
     vocab = load_model_config(folder).vocab_size
     core = split(folder)
     for i, prompt in enumerate(prompts(vocab)):
-        core.add(Sequence(f"s{i}", tuple(prompt), GREEDY, 30))
+        core.add(SequenceState(f"s{i}", tuple(prompt), GREEDY, 30))
     emitted: dict[str, list[int]] = {}
     while not core.handing_over:
         pending = core.launch()
