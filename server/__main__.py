@@ -169,7 +169,13 @@ def _load_and_freeze(config: ServerConfig) -> Backend:
 
 def build_server(config: ServerConfig) -> DrainingServer:
     """The HTTP server."""
+    from sse_starlette.sse import AppStatus
+
     from server.app import create_app
+
+    # We drain streams ourselves (server.lifecycle): sse-starlette must not cut them when
+    # uvicorn's exit flag is set.
+    AppStatus.disable_automatic_graceful_drain()
 
     app = create_app(config, functools.partial(_load_and_freeze, config))
     uv_config = uvicorn.Config(
