@@ -3,7 +3,7 @@
 Runs on: the HTTP process's output processor (frontend.output), one instance per sample
 (the property tests drive the same class). Owns: the sample's detokenizer and stop
 matcher and its token count. Every token rule is the engine core's
-(engine.core.scheduler.finish_reason: EOS, stop token ids after min_tokens, the budget;
+(engine.core.rules.finish_reason: EOS, stop token ids after min_tokens, the budget;
 and grammar completion), and each token comes with its verdict: a stop token (or EOS)
 ends the sample without its own text; any other token's text goes through the stop
 strings, which may end the sample first; a token that completes the grammar ends it

@@ -51,6 +51,13 @@ def finish_reason(
             return "stop", token
         if token in seq.eos_token_ids:
             return "stop", None
-    if len(seq.output) >= seq.max_tokens or len(seq.tokens) >= max_model_len:
+    if budget_spent(seq, len(seq.output), len(seq.tokens), max_model_len):
         return "length", None
     return None, None
+
+
+def budget_spent(seq: SequenceState, outputs: int, length: int, max_model_len: int) -> bool:
+    """The length rule: a sample with `outputs` tokens and `length` in all (prompt and
+    output) has spent its budget: max_tokens, or the context. The scheduler asks it ahead
+    too, counting the token the step in flight samples."""
+    return outputs >= seq.max_tokens or length >= max_model_len

@@ -42,7 +42,7 @@ import numpy as np
 from engine.core.config import SchedulerConfig
 from engine.core.pages import PagePool
 from engine.core.plan import RowWork, StepPlan, StepResult
-from engine.core.rules import advance_grammar, finish_reason
+from engine.core.rules import advance_grammar, budget_spent, finish_reason
 from engine.core.sequence import Emitted, SequenceState
 from engine.core.speculation import (
     PAUSE_BELOW,
@@ -386,9 +386,8 @@ class Scheduler:
     # -- helpers ------------------------------------------------------------------------
     def _last_owed(self, seq: SequenceState) -> bool:
         """The token the step in flight samples for seq ends it by length."""
-        return (
-            len(seq.output) + seq.owed >= seq.max_tokens or seq.length >= self.config.max_model_len
-        )
+        outputs = len(seq.output) + seq.owed
+        return budget_spent(seq, outputs, seq.length, self.config.max_model_len)
 
     def _base(self, seq: SequenceState) -> np.ndarray:
         """allowed_token_ids' mask (every token when it has none)."""
