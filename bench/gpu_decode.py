@@ -36,7 +36,7 @@ import numpy as np
 from bench.model_shapes import checkpoint_shapes, model_config
 from engine.attention import KVLayout, attention_backend
 from engine.core.runner import step_program
-from engine.paged_model import Chunk, make_batch
+from engine.paged_model import Chunk, make_batch, stack_layers
 from engine.sampling import SamplingArrays, host_arrays
 from engine.types import SamplingParams
 
@@ -59,16 +59,16 @@ def random_params(cfg: Any, dtype: Any, seed: int = 0) -> dict[str, Any]:
 def run_one(name: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     cfg = model_config(name, args.layers, 1)
     dtype = jnp.dtype(args.dtype)
-    params = random_params(cfg, dtype)
+    params = stack_layers(random_params(cfg, dtype))
     per_seq = -(-(args.context + 1) // PAGE)
     layout = KVLayout(batch * per_seq, PAGE, cfg.num_kv_heads, cfg.head_dim, args.dtype)
     platform = jax.devices()[0].platform
-    attention = attention_backend(platform, layout)
+    attention = attention_backend(platform, layout.stacked(cfg.num_layers))
     step = jax.jit(
         functools.partial(step_program, cfg=cfg, attention=attention),
         donate_argnums=(1, 2, 3),
     )
-    pages = tuple(layout.empty() for _ in range(cfg.num_layers))
+    pages = layout.stacked(cfg.num_layers).empty()
     counts = jnp.zeros((batch, cfg.vocab_size), jnp.int32)
     last = jnp.zeros((batch,), jnp.int32)
     carry = jnp.arange(batch, dtype=jnp.int32)  # each row feeds the token it sampled last

@@ -87,7 +87,8 @@ from engine.attention.kv_dtype import KV_CACHE_DTYPES, storage_dtype
 from engine.attention.tpu import PallasAttention
 from engine.core.core import CHUNK_SIZE, backend_numerics
 from engine.core.memory import TEMPORARY_HEADROOM, KVBudget
-from engine.core.runner import Shapes, prompt_logprobs_program, step_program
+from engine.core.runner import prompt_logprobs_program, step_program
+from engine.core.shapes import Shapes
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
 from engine.paged_model import StepBatch
 from engine.quant import QUANTIZATIONS, quantized_shapes
@@ -131,6 +132,18 @@ def placed(shapes: Any, shardings: Any) -> Any:
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
     )
+
+
+def stacked_shapes(params: Any) -> Any:
+    """Params' shapes with the layers stacked as the runner stacks them
+    (engine.paged_model.stack_layers): a leading layer axis, unsplit."""
+
+    def stack(*leaves: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        one = leaves[0]
+        sharding = NamedSharding(one.sharding.mesh, PartitionSpec(None, *one.sharding.spec))
+        return jax.ShapeDtypeStruct((len(leaves), *one.shape), one.dtype, sharding=sharding)
+
+    return {**params, "layers": jax.tree.map(stack, *params["layers"])}
 
 
 def per_chip_bytes(tree: Any) -> int:
@@ -213,11 +226,13 @@ class Harness:
                 setup, num_pages=(usable - per_chip_bytes(self.params)) // page
             )
         self.layout = replace(probe, num_pages=setup.num_pages)
-        self.attention = PallasAttention(self.layout, self.mesh)
+        stacked = self.layout.stacked(self.cfg.num_layers)  # as the runner keeps them
+        self.attention = PallasAttention(stacked, self.mesh)
         pages_sharding = NamedSharding(self.mesh, PartitionSpec(None, None, MODEL_AXIS, None))
-        layout = self.layout
-        one = jax.ShapeDtypeStruct(layout.shape, layout.array_dtype, sharding=pages_sharding)
-        self.pages = tuple(one for _ in range(self.cfg.num_layers))
+        self.pages = jax.ShapeDtypeStruct(
+            stacked.shape, stacked.array_dtype, sharding=pages_sharding
+        )
+        self.params = stacked_shapes(self.params)
         self.pages_per_seq = -(-setup.max_model_len // setup.page_size)
         self.shapes = Shapes.of(
             setup.max_num_seqs, setup.max_num_batched_tokens, self.pages_per_seq

@@ -57,6 +57,11 @@ class ModelConfig:
     # RoPE's rotate-half as a product with a signed permutation (exact: one nonzero term
     # per output) instead of two half-width slices: TPU pads each 64-lane half to 128.
     rope_by_product: bool = False
+    # The step's layers as one compiled loop (lax.scan), or unrolled: a loop compiles and
+    # loads in a fraction of the time; TPU unrolls, where each layer's cost is counted
+    # (compiled programs' cost analysis counts a loop's body once) and XLA schedules
+    # across layers (engine.core.core decides).
+    scan_layers: bool = True
 
     @property
     def q_size(self) -> int:

@@ -17,7 +17,7 @@ The layer math is engine.model's. Params quantized by engine.quant (int8 weights
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from engine.attention import Attention, AttentionBatch, Ints
 from engine.config import ModelConfig
@@ -168,31 +169,72 @@ def embed_tokens(params: Params, tokens: Ints) -> jax.Array:
     return (x.astype(F32) * scale[tokens][:, None]).astype(dtype)
 
 
+def stack_layers(params: Params, *, consume: bool = False) -> Params:
+    """Params whose "layers" is one dict of arrays with the layer as their leading axis
+    (what `forward` scans), each placed as its layers were with that axis whole.
+
+    `consume`: take the arrays out of `params`'s layer dicts (left empty), so each
+    weight's layers are released once stacked and at most one weight is held twice
+    meanwhile (the runner's params, which nothing else keeps)."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    stacked: dict[str, jax.Array] = {}
+    for name in list(layers[0]):
+        parts = [lp.pop(name) if consume else lp[name] for lp in layers]
+        sharding = getattr(parts[0], "sharding", None)  # host arrays: the default device
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+        stacked[name] = jax.jit(lambda *a: jnp.stack(a), out_shardings=sharding)(*parts)
+        del parts
+    return {**params, "layers": stacked}
+
+
 def forward(
     params: Params,
-    pages: tuple[jax.Array, ...],
+    pages: jax.Array,
     batch: StepBatch,
     inv_freq: jax.Array,
     cfg: ModelConfig,
     attention: Attention,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, jax.Array]:
     """The batch's tokens through every layer -> (each token's final hidden state (T,
     hidden), pages with the batch's K/V written); `head_logits` of `x[batch.last]` are each
-    sequence's next-token logits."""
+    sequence's next-token logits.
+
+    Params are `stack_layers`'; pages are every layer's (KVLayout.stacked): layer l's
+    page p is page l * per_layer + p, so layer l reads the batch's page table and slots
+    shifted by that much. The layers run as one `lax.scan` (unrolled unless
+    cfg.scan_layers): XLA compiles one layer, not every layer inlined, which halves a
+    30-layer step's compile on a 2-core CPU and makes loading it from the compile cache
+    ~7x faster (bench/README, "Start-up")."""
     dtype = params["final_norm"].dtype  # the model's (the embedding may be int8)
     x = embed_tokens(params, batch.tokens)
     cos, sin = rope_tables(jnp.asarray(batch.positions), inv_freq, dtype)
     slots = jnp.asarray(batch.slots)
-    written = []
-    for lp, layer_pages in zip(params["layers"], pages, strict=True):
-        x, layer_pages = _layer(
-            lp, layer_pages, x, cos, sin, slots, batch.attention, cfg=cfg, attention=attention
-        )
-        written.append(layer_pages)
-    return x, tuple(written)
+    attention_batch = jax.tree.map(jnp.asarray, batch.attention)  # host arrays too
+    table = attention_batch.page_indices
+    per_layer = pages.shape[0] // cfg.num_layers
+    live = slots < per_layer * pages.shape[1]  # padding stays past every layer's pages
+
+    def layer(
+        carry: tuple[jax.Array, jax.Array], lp_l: tuple[Params, jax.Array]
+    ) -> tuple[tuple[jax.Array, jax.Array], None]:
+        x, pages = carry
+        lp, index = lp_l
+        rows = pages.shape[0] * pages.shape[1]  # past every layer's pages: writes nothing
+        shifted = jnp.where(live, slots + index * per_layer * pages.shape[1], rows)
+        shifted_batch = dataclasses.replace(attention_batch, page_indices=table + index * per_layer)
+        out = _layer(lp, pages, x, cos, sin, shifted, shifted_batch, cfg=cfg, attention=attention)
+        return out, None
+
+    ordinals = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, pages), _ = lax.scan(
+        layer, (x, pages), (params["layers"], ordinals), unroll=not cfg.scan_layers
+    )
+    return x, pages
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attention"))
 def _layer(
     lp: Params,
     pages: jax.Array,
@@ -205,12 +247,7 @@ def _layer(
     cfg: ModelConfig,
     attention: Attention,
 ) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer: its K/V written into its pages, attention, the MLP.
-
-    A jit of its own inside the step: every layer has the same shapes, so the step traces
-    and lowers one layer and calls it per layer (XLA inlines the calls, so the compiled
-    step is the unrolled one). Tracing 30 layers' attention loops one by one took most of
-    a warm start's seconds (bench/README, "Start-up")."""
+    """One decoder layer: its K/V written into its pages, attention, the MLP."""
     q, k, v = attention_inputs(lp, x, cfg, cos, sin)
     pages = attention.write(pages, k, v, slots)
     attn = attention.attend(q, pages, batch, sliding_window=cfg.sliding_window)

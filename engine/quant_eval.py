@@ -23,7 +23,7 @@ from engine.attention import KVLayout, ReferenceAttention
 from engine.attention.kv_dtype import storage_dtype
 from engine.config import ModelConfig
 from engine.model import Params
-from engine.paged_model import Chunk, forward, head_logits, make_batch
+from engine.paged_model import Chunk, forward, head_logits, make_batch, stack_layers
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,10 @@ def teacher_forced_logits(
         cfg.head_dim,
         storage_dtype(kv_cache_dtype, model_dtype),
     )
-    attention = ReferenceAttention(layout)
+    attention = ReferenceAttention(layout.stacked(cfg.num_layers))
     step = jax.jit(functools.partial(_chunk_logits, cfg=cfg, attention=attention))
-    pages = tuple(layout.empty() for _ in range(cfg.num_layers))
+    pages = attention.layout.empty()
+    params = stack_layers(params)
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
     table = list(range(num_pages))
     out = []
@@ -76,13 +77,13 @@ def teacher_forced_logits(
 
 def _chunk_logits(
     params: Params,
-    pages: tuple[jax.Array, ...],
+    pages: jax.Array,
     batch: object,
     inv_freq: jax.Array,
     *,
     cfg: ModelConfig,
     attention: ReferenceAttention,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, jax.Array]:
     x, pages = forward(params, pages, batch, inv_freq, cfg, attention)  # type: ignore[arg-type]
     return head_logits(params, x, cfg), pages
 

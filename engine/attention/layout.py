@@ -1,8 +1,9 @@
 """The paged KV cache's layout and the ragged batch description attention reads.
 
-Owns: `KVLayout` (one array per layer, `[num_pages, page_size, 2 * kv_heads / fold,
+Owns: `KVLayout` (a layer's pages, `[num_pages, page_size, 2 * kv_heads / fold,
 head_dim * fold]`, keys and values interleaved along the third axis, the layout of
-jax's Pallas ragged paged attention kernel) and `AttentionBatch`.
+jax's Pallas ragged paged attention kernel; the engine keeps every layer's in one such
+array, `stacked`) and `AttentionBatch`.
 
 `fold` puts that many adjacent kv heads side by side in one row of lanes. TPU tiles
 the last axis in 128 lanes: a head_dim of 64 stored as is would take 128 lanes per
@@ -24,7 +25,7 @@ array, so a step there would cost in proportion to the whole cache (bench/README
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,11 @@ class KVLayout:
 
     def empty(self) -> jax.Array:
         return jnp.zeros(self.shape, self.array_dtype)
+
+    def stacked(self, layers: int) -> KVLayout:
+        """Every layer's pages in one array, layer l's page p at l * num_pages + p: what
+        the engine's step scans its layers over (engine.paged_model.forward)."""
+        return replace(self, num_pages=self.num_pages * layers)
 
     def view(self, rows: jax.Array) -> jax.Array:
         """Rows read from the page array, in `dtype` (with `bits`: bitcast back)."""

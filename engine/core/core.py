@@ -127,7 +127,11 @@ class EngineCore:
             self.draft,
         )
         attention = attention_backend(
-            platform, layout, self.mesh, chunk_size=chunk, max_prefill_seqs=config.max_prefill_seqs
+            platform,
+            layout.stacked(cfg.num_layers),
+            self.mesh,
+            chunk_size=chunk,
+            max_prefill_seqs=config.max_prefill_seqs,
         )
         self.runner = Runner(
             params,
@@ -264,11 +268,12 @@ def backend_numerics(cfg: ModelConfig, platform: str) -> ModelConfig:
     own row reduce (its order follows the reduced axis, not the rows), where each level
     of engine.rowwise's tree is a pass over memory; and RoPE's rotation as a product,
     where half-width slices are padded copies (an 8B prompt's prefill at TP 4: 1.83x the
-    unavoidable bytes with both reference forms, 1.49x without them; bench/README).
-    XLA:CPU keeps the tree (its reduce gives a row other bits among 16+ rows)."""
+    unavoidable bytes with both reference forms, 1.49x without them; bench/README); and
+    the layers unrolled. XLA:CPU keeps the tree (its reduce gives a row other bits among
+    16+ rows) and a loop over the layers (ModelConfig.scan_layers)."""
     if platform != "tpu":
         return cfg
-    return replace(cfg, fixed_order_sums=False, rope_by_product=True)
+    return replace(cfg, fixed_order_sums=False, rope_by_product=True, scan_layers=False)
 
 
 @dataclass(frozen=True)

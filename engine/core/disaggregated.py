@@ -219,8 +219,7 @@ class DisaggregatedCore:
         return True
 
     def _copy(self, source: list[int], target: list[int]) -> None:
-        blocks = self.prefill.runner.read_pages(source)
-        blocks = tuple(jax.device_put(b, self._target) for b in blocks)
+        blocks = jax.device_put(self.prefill.runner.read_pages(source), self._target)
         self.decode.runner.write_pages(target, blocks)
 
 

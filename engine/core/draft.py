@@ -87,7 +87,11 @@ def build_draft(
     pages are counted), its pages as many as the target's."""
     platform = mesh.devices.flat[0].platform
     attention = attention_backend(
-        platform, layout, mesh, chunk_size=chunk_size, max_prefill_seqs=max_prefill_seqs
+        platform,
+        layout.stacked(cfg.num_layers),
+        mesh,
+        chunk_size=chunk_size,
+        max_prefill_seqs=max_prefill_seqs,
     )
     runner = Runner(
         params,

@@ -1,11 +1,12 @@
 """The runner: device verbs of the engine core, one ragged step a call.
 
-Runs on: the scheduler loop's thread. Owns: params placed on the mesh, the KV pages
-(one array per layer, split over the mesh by kv head, donated to every step), the
-per-row sampling state on the device (token counts for penalties), and the jitted
-programs, compiled for every shape in `Shapes` at warm-up. Receives a `StepPlan` from
-the scheduler; emits a `StepResult` (host numpy: one sampled token per sequence of the
-plan, with logprobs, and the prompt logprobs the plan asked for).
+Runs on: the scheduler loop's thread. Owns: params placed on the mesh (layers stacked),
+the KV pages (every layer's in one array, KVLayout.stacked, split over the mesh by kv
+head, donated to every step), the per-row sampling state on the device (token counts
+for penalties), and the jitted programs, compiled for every shape in `Shapes` at
+warm-up. Receives a `StepPlan` from the scheduler; emits a `StepResult` (host numpy:
+one sampled token per sequence of the plan, with logprobs, and the prompt logprobs the
+plan asked for).
 
 No scheduling questions cross this seam: the plan says which tokens of which sequences
 run, at which positions, in which pages; the runner pads them to a bucket and runs.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
 
@@ -31,79 +33,24 @@ from engine import rowwise
 from engine.attention import Attention, KVLayout
 from engine.config import ModelConfig
 from engine.core.plan import PromptLogprobs, RowWork, StepPlan, StepResult
+from engine.core.shapes import Shapes
 from engine.logprobs import top_logprobs
 from engine.model import Params
-from engine.paged_model import Chunk, StepBatch, forward, head_logits, make_batch
+from engine.paged_model import Chunk, StepBatch, forward, head_logits, make_batch, stack_layers
 from engine.sampling import Sampled, SamplingArrays, host_arrays, sample
 from engine.sampling_tpu import backend_sampler
 from engine.types import MAX_LOGPROBS, SamplingParams
 
 MODEL_AXIS = "model"
-# XLA:CPU runs a one-row product (and a 16-bit two-row one) through other kernels than
-# wider ones, which round the sums otherwise: every step's products take at least this
-# many rows, so a sequence gets the same bits alone as in a full batch.
-MIN_TOKENS_BUCKET = 8
-MIN_SEQS_BUCKET = 4
 
 
-def buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """Powers of two from `smallest`, ending with `largest` itself."""
-    out, size = [], smallest
-    while size < largest:
-        out.append(size)
-        size *= 2
-    return (*out, largest)
-
-
-def fit(count: int, sizes: Sequence[int]) -> int:
-    for size in sizes:
-        if count <= size:
-            return size
-    raise ValueError(f"{count} exceeds the largest bucket {sizes[-1]}")
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """Every shape the runner's programs take, published once: steps pad to a (tokens,
-    sequences) pair of these buckets.
-
-    Decode steps (up to one token a sequence) pad to powers of two of tokens and of
-    sequences, up to `decode_tokens`; a larger step (a prompt chunk in it) pads to a
-    quarter of the token budget or to all of it, with every sequence row. Each program is
-    an XLA compile of every layer (seconds each for a 30-layer model on a 2-core CPU,
-    bench/README "Start-up"): a short prompt gets a small program, the rest share one."""
-
-    token_buckets: tuple[int, ...]
-    seq_buckets: tuple[int, ...]
-    pages_per_seq: int
-    decode_tokens: int  # the largest token bucket with a program per sequence bucket
-
-    @classmethod
-    def of(cls, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int) -> Shapes:
-        seqs = buckets(min(MIN_SEQS_BUCKET, max_num_seqs), max_num_seqs)
-        smallest = min(MIN_TOKENS_BUCKET, max_num_batched_tokens)
-        decode = buckets(smallest, min(max(smallest, max_num_seqs), max_num_batched_tokens))
-        quarter = -(-max_num_batched_tokens // 4 // smallest) * smallest
-        larger = sorted({t for t in (quarter, max_num_batched_tokens) if t > decode[-1]})
-        return cls((*decode, *larger), seqs, pages_per_seq, decode[-1])
-
-    def seq_choices(self, tokens: int) -> list[int]:
-        """The sequence buckets of token bucket `tokens`."""
-        fits = [s for s in self.seq_buckets if s <= tokens]
-        return fits if tokens <= self.decode_tokens else fits[-1:]
-
-    def pairs(self) -> list[tuple[int, int]]:
-        """Every (tokens, sequences) bucket pair a step may take."""
-        return [(t, s) for t in self.token_buckets for s in self.seq_choices(t)]
-
-    def bucket(self, tokens: int, seqs: int) -> tuple[int, int]:
-        t = fit(max(tokens, seqs), self.token_buckets)
-        return t, fit(seqs, self.seq_choices(t))
+# a step's sampled tokens, pages, counts, last tokens and hidden states (`step_program`)
+StepOutputs = tuple[Sampled, jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 def step_program(
     params: Params,
-    pages: tuple[jax.Array, ...],
+    pages: jax.Array,
     counts: jax.Array,
     last: jax.Array,
     batch: StepBatch,
@@ -119,7 +66,7 @@ def step_program(
     cfg: ModelConfig,
     attention: Attention,
     sampler: Callable[..., Sampled] = sample,
-) -> tuple[Sampled, tuple[jax.Array, ...], jax.Array, jax.Array, jax.Array]:
+) -> StepOutputs:
     """forward + sample (`sampler`: the backend's, engine.sampling_tpu.backend_sampler);
     each emitting row's counts gain its sampled token (padding rows point past the table
     and change nothing). A fresh row's counts are zeroed first.
@@ -148,13 +95,13 @@ def step_program(
 
 def fill_program(
     params: Params,
-    pages: tuple[jax.Array, ...],
+    pages: jax.Array,
     batch: StepBatch,
     inv_freq: jax.Array,
     *,
     cfg: ModelConfig,
     attention: Attention,
-) -> tuple[jax.Array, ...]:
+) -> jax.Array:
     """The batch's K/V written into the pages, nothing sampled (a draft model following
     the target's steps: no head, no sampling)."""
     return forward(params, pages, batch, inv_freq, cfg, attention)[1]
@@ -180,16 +127,13 @@ def _recount(counts: jax.Array, row: jax.Array, ids: jax.Array) -> jax.Array:
     return counts.at[row].set(fresh)
 
 
-def _read_pages(pages: tuple[jax.Array, ...], ids: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(layer[ids] for layer in pages)
+def _read_pages(pages: jax.Array, ids: jax.Array, *, layers: int) -> jax.Array:
+    return pages.reshape(layers, -1, *pages.shape[1:])[:, ids]
 
 
-def _write_pages(
-    pages: tuple[jax.Array, ...], ids: jax.Array, blocks: tuple[jax.Array, ...]
-) -> tuple[jax.Array, ...]:
-    return tuple(
-        layer.at[ids].set(block, mode="drop") for layer, block in zip(pages, blocks, strict=True)
-    )
+def _write_pages(pages: jax.Array, ids: jax.Array, blocks: jax.Array, *, layers: int) -> jax.Array:
+    by_layer = pages.reshape(layers, -1, *pages.shape[1:])
+    return by_layer.at[:, ids].set(blocks, mode="drop").reshape(pages.shape)
 
 
 def pages_sharding(mesh: Mesh) -> NamedSharding:
@@ -243,7 +187,7 @@ class Runner:
         max_num_batched_tokens: int,
         eos_token_ids: Sequence[int] = (),
     ) -> None:
-        self.params = params
+        self.params = stack_layers(params, consume=True)
         self.cfg = cfg
         self.layout = layout
         self.mesh = mesh
@@ -253,8 +197,8 @@ class Runner:
             max_num_seqs, max_num_batched_tokens, -(-max_model_len // layout.page_size)
         )
         whole = NamedSharding(mesh, PartitionSpec())
-        empty = jax.jit(layout.empty, out_shardings=pages_sharding(mesh))
-        self.pages = tuple(empty() for _ in range(cfg.num_layers))
+        stacked = layout.stacked(cfg.num_layers)
+        self.pages = jax.jit(stacked.empty, out_shardings=pages_sharding(mesh))()
         self.counts = jax.device_put(np.zeros((max_num_seqs, cfg.vocab_size), np.int32), whole)
         self.last = jax.device_put(np.zeros((max_num_seqs,), np.int32), whole)  # sampled
         eos = np.zeros((cfg.vocab_size,), bool)
@@ -272,27 +216,67 @@ class Runner:
         )
         self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
         self._recount = jax.jit(_recount, donate_argnums=(0,))
-        self._read_pages = jax.jit(_read_pages)
-        self._write_pages = jax.jit(_write_pages, donate_argnums=(0,))
+        layers = cfg.num_layers
+        self._read_pages = jax.jit(functools.partial(_read_pages, layers=layers))
+        self._write_pages = jax.jit(
+            functools.partial(_write_pages, layers=layers), donate_argnums=(0,)
+        )
         self._fill = jax.jit(
             functools.partial(fill_program, cfg=cfg, attention=attention), donate_argnums=(1,)
         )
+        # the step programs by (tokens, sequences), compiled by `compile_steps`
+        self._compiled: dict[tuple[int, int], Callable[..., StepOutputs]] = {}
         self._idle = host_arrays(SamplingParams(temperature=0.0, seed=0), cfg.vocab_size)
         self._host: dict[int, tuple[SamplingParams, SamplingArrays]] = {}  # by device row
         self._last_stack: tuple[list[SamplingArrays], SamplingArrays] | None = None
         # multi-host: called with each call before it runs (the leader's followers)
         self.mirror: Callable[[StepCall], None] | None = None
 
+    def _step_args(self, call: StepCall) -> tuple[object, ...]:
+        carry = call.carry
+        if carry is None:
+            carry = np.full(call.tokens, -1, np.int32)
+        return (
+            self.params,
+            self.pages,
+            self.counts,
+            self.last,
+            call.batch,
+            carry,
+            call.rows,
+            call.emits,
+            call.fresh,
+            call.sampling,
+            call.generated,
+            self.eos_mask,
+            self.inv_freq,
+        )
+
+    def compile_steps(self) -> None:
+        """Compile every step program at once, one thread each, kept for `execute`.
+
+        XLA compiles a program on one thread, so on a host of several cores the programs
+        compile side by side (a first start's warm-up: seconds each on CPU)."""
+        idle = StepPlan(())
+        calls = {pair: self._call(idle, *pair) for pair in self.shapes.pairs()}
+
+        def build(call: StepCall) -> Callable[..., StepOutputs]:
+            return cast(Callable, self._step.lower(*self._step_args(call)).compile())
+
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            self._compiled = dict(zip(calls, pool.map(build, calls.values()), strict=True))
+
     def warmup(self) -> None:
         """Compile every program now (before readiness), on padding only, through
         `execute` (so a multi-host leader's followers compile the same, in order)."""
+        self.compile_steps()
         idle = StepPlan(())
         for tokens, seqs in self.shapes.pairs():
             self.collect(idle, self.execute(self._call(idle, tokens, seqs)))
         ids = np.full(self.max_model_len, self.cfg.vocab_size, np.int32)
         for tokens in self.shapes.token_buckets:  # prompt logprobs, and a rebuilt row once
             following = np.zeros(tokens, np.int32)
-            seqs = self.shapes.seq_buckets[0]
+            seqs = self.shapes.seq_choices(tokens)[0]  # a pair `pairs` compiled above
             recount = ((0, ids),) if tokens == self.shapes.token_buckets[0] else ()
             call = self._call(idle, tokens, seqs, following=following, recount=recount)
             self.collect(idle, self.execute(call))
@@ -306,14 +290,14 @@ class Runner:
             )
         jax.block_until_ready(self.pages)
 
-    def read_pages(self, ids: Sequence[int]) -> tuple[jax.Array, ...]:
-        """Every layer's pages `ids`, padded to `Shapes.pages_per_seq` (one shape); returns
-        at once, ordered after the steps dispatched before it."""
+    def read_pages(self, ids: Sequence[int]) -> jax.Array:
+        """Every layer's pages `ids` (layers, pages, ...), padded to `Shapes.pages_per_seq`
+        (one shape); returns at once, ordered after the steps dispatched before it."""
         table = np.zeros(self.shapes.pages_per_seq, np.int32)
         table[: len(ids)] = ids
-        return cast(tuple[jax.Array, ...], self._read_pages(self.pages, table))
+        return cast(jax.Array, self._read_pages(self.pages, table))
 
-    def write_pages(self, ids: Sequence[int], blocks: tuple[jax.Array, ...]) -> None:
+    def write_pages(self, ids: Sequence[int], blocks: jax.Array) -> None:
         """Blocks from `read_pages` (another mesh's, put on this one by the caller) into
         pages `ids`, in order; the padding past them writes nothing."""
         table = np.full(self.shapes.pages_per_seq, self.layout.num_pages, np.int32)
@@ -399,24 +383,8 @@ class Runner:
             self.mirror(call)
         for row, ids in call.recount:
             self.counts = self._recount(self.counts, np.int32(row), ids)
-        carry = call.carry
-        if carry is None:
-            carry = np.full(call.tokens, -1, np.int32)
-        sampled, self.pages, self.counts, self.last, hidden = self._step(
-            self.params,
-            self.pages,
-            self.counts,
-            self.last,
-            call.batch,
-            carry,
-            call.rows,
-            call.emits,
-            call.fresh,
-            call.sampling,
-            call.generated,
-            self.eos_mask,
-            self.inv_freq,
-        )
+        step = self._compiled.get((call.tokens, call.rows.shape[0]), self._step)
+        sampled, self.pages, self.counts, self.last, hidden = step(*self._step_args(call))
         prompt = None
         if call.following is not None:
             prompt = self._prompt(self.params, hidden, call.following)
@@ -485,7 +453,6 @@ __all__ = [
     "PromptLogprobs",
     "RowWork",
     "Runner",
-    "Shapes",
     "StepPlan",
     "StepCall",
     "StepResult",

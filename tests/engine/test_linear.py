@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from engine.core.runner import MIN_SEQS_BUCKET, MIN_TOKENS_BUCKET
+from engine.core.shapes import MIN_SEQS_BUCKET, MIN_TOKENS_BUCKET
 from engine.model import project
 
 SHAPES = [(64, 64), (256, 1408), (704, 256), (64, 512)]  # (in, out): layers and a head

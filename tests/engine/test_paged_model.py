@@ -22,6 +22,7 @@ from engine.paged_model import (
     head_logits,
     hidden_major_head,
     make_batch,
+    stack_layers,
 )
 from engine.quant import quantize_params
 
@@ -50,11 +51,13 @@ def test_ragged_steps_match_whole_prompt_prefill(tiny_checkpoint_of, arch: str) 
     layout = KVLayout(
         num_pages=16, page_size=PAGE, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
     )
+    stacked = layout.stacked(cfg.num_layers)
     step = jax.jit(
-        functools.partial(forward, cfg=cfg, attention=ReferenceAttention(layout)),
+        functools.partial(forward, cfg=cfg, attention=ReferenceAttention(stacked)),
         donate_argnums=(1,),
     )
-    pages = tuple(layout.empty() for _ in range(cfg.num_layers))
+    pages = stacked.empty()
+    layered = stack_layers(params)
     a_pages, b_pages = [9, 2, 14, 5, 7], [0, 11]  # scattered, not in order
     steps = [
         [Chunk(a[:16], 0, a_pages[:2]), Chunk(b[:10], 0, b_pages)],
@@ -67,7 +70,7 @@ def test_ragged_steps_match_whole_prompt_prefill(tiny_checkpoint_of, arch: str) 
         batch = make_batch(
             chunks, tokens=32, seqs=4, pages_per_seq=6, page_size=PAGE, num_pages=layout.num_pages
         )
-        x, pages = step(params, pages, batch, inv_freq)
+        x, pages = step(layered, pages, batch, inv_freq)
         logits = head_logits(params, x[np.asarray(batch.last)], cfg)
         for row, chunk in enumerate(chunks):
             name = "a" if chunk.pages is a_pages or chunk.pages[0] == 9 else "b"
@@ -86,8 +89,8 @@ def test_padding_writes_nothing_and_pages_of_others_stay(tiny_checkpoint_of) -> 
     cfg = load_model_config(folder)
     params = load_params(folder, cfg, "float32")
     layout = KVLayout(num_pages=6, page_size=PAGE, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
-    marker = np.full(layout.shape, 7.0, np.float32)
-    pages = tuple(jax.numpy.asarray(marker) for _ in range(cfg.num_layers))
+    stacked = layout.stacked(cfg.num_layers)
+    pages = jax.numpy.full(stacked.shape, 7.0, np.float32)
     batch = make_batch(
         [Chunk([1, 2, 3], 0, [4])],
         tokens=16,
@@ -96,9 +99,10 @@ def test_padding_writes_nothing_and_pages_of_others_stay(tiny_checkpoint_of) -> 
         page_size=PAGE,
         num_pages=layout.num_pages,
     )
-    _, out = forward(params, pages, batch, cfg.rope_inv_freq(), cfg, ReferenceAttention(layout))
-    for layer in out:
-        layer = np.asarray(layer)
+    params = stack_layers(params)
+    _, out = forward(params, pages, batch, cfg.rope_inv_freq(), cfg, ReferenceAttention(stacked))
+    by_layer = np.asarray(out).reshape(cfg.num_layers, *layout.shape)
+    for layer in by_layer:
         changed = np.argwhere((layer != 7.0).any(axis=(2, 3)))
         assert sorted(map(tuple, changed)) == [(4, 0), (4, 1), (4, 2)]
 

@@ -157,10 +157,10 @@ def test_a_mesh_gives_the_tokens_of_one_device(
     seqs = [SequenceState(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
     one = outputs(core_of(folder, **options), seqs)
     core = core_of(folder, tensor_parallel_size=tp, **options)
-    layer = core.runner.params["layers"][0]
-    assert layer["wqkv"].dtype == jnp.int8
-    assert layer["wqkv_scale"].sharding.spec == PartitionSpec("model")
-    assert layer["wo_scale"].sharding.spec == PartitionSpec(None)
+    layers = core.runner.params["layers"]  # every layer's, stacked on a leading axis
+    assert layers["wqkv"].dtype == jnp.int8
+    assert layers["wqkv_scale"].sharding.spec == PartitionSpec(None, "model")
+    assert layers["wo_scale"].sharding.spec == PartitionSpec(None, None)
     seqs = [SequenceState(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
     got = outputs(core, seqs)
     for name in one:
@@ -196,7 +196,7 @@ def test_weights_and_kv_bytes(tiny_checkpoint_of) -> None:
     assert core_of(folder, quantization="int8").weight_bytes <= 0.3 * f32
     core = core_of(folder, dtype="bfloat16", quantization="int8", kv_cache_dtype="fp8")
     assert core.weight_bytes <= 0.55 * bf16
-    assert core.runner.params["layers"][0]["w_down"].dtype == jnp.int8
+    assert core.runner.params["layers"]["w_down"].dtype == jnp.int8
     base = core_of(folder, dtype="bfloat16")
     per_token = base.runner.layout.token_bytes
     assert core.runner.layout.token_bytes * 2 == per_token

@@ -80,7 +80,7 @@ def test_a_long_prompt_across_chunks_and_pages_matches_transformers(dtype, tiny_
     prompt = [0] + [(37 * i) % 500 + 3 for i in range(299)]
     core = core_of(folder, dtype=dtype, max_model_len=512)
     # on CPU bfloat16 pages are kept as their bits (KVLayout.bits): read back the same
-    assert core.runner.pages[0].dtype == {"float32": "float32", "bfloat16": "uint16"}[dtype]
+    assert core.runner.pages.dtype == {"float32": "float32", "bfloat16": "uint16"}[dtype]
     events = run(core, SequenceState("p", tuple(prompt), GREEDY, 8, prompt_logprobs=5))
     tokens = prompt + [e.token for e in events]
     want = hf_logprobs(folder, tokens[:-1])

@@ -69,16 +69,16 @@ def test_params_and_pages_are_split_over_the_mesh(tiny_checkpoint_of, tp: int) -
     expect = {"wqkv": ("model",), "wo": (None, "model"), "w_gate_up": ("model",)}
     expect["w_down"] = (None, "model")  # (out, in) matrices: split by output, then input
     for name, spec in expect.items():
-        array = params["layers"][0][name]
-        assert array.sharding.spec == PartitionSpec(*spec), name
-        axis = len(spec) - 1
+        array = params["layers"][name]  # every layer's, stacked on a leading axis
+        assert array.sharding.spec == PartitionSpec(None, *spec), name
+        axis = len(spec)
         assert all(s.data.shape[axis] * tp == array.shape[axis] for s in array.addressable_shards)
     assert params["embed"].sharding.spec == PartitionSpec("model")  # by vocabulary rows
     # on CPU the untied head is kept hidden-major (engine.paged_model.hidden_major_head)
     assert "lm_head" not in params
     assert params["lm_head_t"].sharding.spec == PartitionSpec(None, "model")
     assert params["lm_head_t"].shape == (cfg.hidden_size, cfg.vocab_size)
-    pages = core.runner.pages[0]
+    pages = core.runner.pages  # every layer's (KVLayout.stacked)
     assert pages.sharding.spec == PartitionSpec(None, None, "model", None)
     assert {s.data.shape[2] for s in pages.addressable_shards} == {2 * cfg.num_kv_heads // tp}
     # 2 kv heads on 4 devices: each device keeps a copy of its query heads' kv head
