@@ -94,7 +94,7 @@ def test_a_grammar_preemption_and_an_abort_across_the_sets(folder) -> None:  # t
     only = Only([11, 12, 13], 6, vocab)
     script: Script = {
         0: [request(k, ps[i], SEEDED, 24) for i, k in enumerate("abc")],
-        1: [request("g", ps[3], GREEDY, 50, grammar=Grammar("regex", "x"))],
+        1: [request("g", ps[3], GREEDY, 30, grammar=Grammar("regex", "x"))],  # fits 64
         4: [request("d", ps[4], GREEDY, 24)],
         6: [Abort((("b", 0),))],
     }
