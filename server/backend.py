@@ -1,4 +1,4 @@
-"""What the server needs of the model behind it, and nothing more: the seams to engine/.
+"""What the server needs of the model behind it, and nothing more: the seams to frontend/.
 
 The HTTP side speaks to a loaded model only through these protocols (the real
 engine client and tokenizer implement them, and so do the tests' fakes), so no
