@@ -26,6 +26,7 @@ RUN python -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY server ./server
+COPY frontend ./frontend
 COPY engine ./engine
 COPY tokenization ./tokenization
 
@@ -36,7 +37,7 @@ RUN case "${JAX_FLAVOR}" in \
       *) echo "JAX_FLAVOR must be cpu, cuda or tpu, got '${JAX_FLAVOR}'" >&2; exit 1 ;; \
     esac \
     && pip install "jax${extra}==${JAX_VERSION}" /src \
-    && python -c "import jax, server, engine, tokenization; print('jax', jax.__version__)"
+    && python -c "import jax, server, frontend, engine, tokenization; print('jax', jax.__version__)"
 
 # ---- runtime: the virtual environment on a slim base, no compilers, non-root ---------------
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime

@@ -85,7 +85,7 @@ def main() -> None:
     ids = sequence(tok, args.tokens + 10)
     prompt = tok.encode("Tell me a story.")
     rows = {
-        "TextStream (detokenizer + stop)": lambda: TextStream(tok, prompt, stop=STOPS).add,
+        "TextStream (detokenizer + stop)": lambda: TextStream.of(tok, prompt, stop=STOPS).add,
         "naive full decode (contrast)": lambda: naive_step(tok),
     }
     print(f"tokenizer={args.tokenizer.name} tokens={args.tokens} runs={args.runs} (median per pos)")

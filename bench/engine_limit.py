@@ -53,7 +53,7 @@ def engine_tok_s(
     async_scheduling: bool = True,
 ) -> dict[str, Any]:
     from engine.core.core import CoreConfig, EngineCore
-    from engine.core.scheduler import Sequence
+    from engine.core.scheduler import SequenceState
     from engine.types import SamplingParams
 
     if prompt_len + steps + 2 > max_model_len:
@@ -72,7 +72,7 @@ def engine_tok_s(
     rates, host = [], []
     for r in range(rounds + 1):  # the first round warms the caches
         for i in range(slots):
-            core.add(Sequence(f"{r}-{i}", prompt, greedy, steps + 2))
+            core.add(SequenceState(f"{r}-{i}", prompt, greedy, steps + 2))
         while any(s.computed < len(s.tokens) - 1 for s in core.scheduler.running) or (
             core.scheduler.waiting
         ):

@@ -90,7 +90,7 @@ def text_tokens(length: int) -> list[int]:
 
 
 def decode_step_ms(core: object, seqs: int, prompt_len: int, steps: int) -> float:
-    from engine.core.scheduler import Sequence
+    from engine.core.scheduler import SequenceState
     from engine.types import SamplingParams
 
     # greedy, and no end before the timed steps are done (min_tokens holds EOS back)
@@ -98,7 +98,7 @@ def decode_step_ms(core: object, seqs: int, prompt_len: int, steps: int) -> floa
     greedy = SamplingParams(temperature=0.0, seed=0, min_tokens=length)
     for i in range(seqs):
         prompt = tuple((7 * i + 11 * j + 3) % 50000 for j in range(prompt_len))
-        core.add(Sequence(f"d{i}", prompt, greedy, length))  # type: ignore[attr-defined]
+        core.add(SequenceState(f"d{i}", prompt, greedy, length))  # type: ignore[attr-defined]
     emitted: dict[str, int] = {}
     while len(emitted) < seqs or min(emitted.values()) < 3:  # every one decoding, compiled
         for event in core.step():  # type: ignore[attr-defined]

@@ -41,7 +41,8 @@ import msgspec
 import numpy as np
 
 from engine.attention import AttentionBatch
-from engine.core.core import CoreConfig, EngineCore
+from engine.core.config import CoreConfig
+from engine.core.core import EngineCore
 from engine.core.runner import StepCall
 from engine.paged_model import StepBatch
 from engine.sampling import SamplingArrays
@@ -357,7 +358,7 @@ class Leader:
                 f"shards the model over all {jax.device_count()} devices of its "
                 f"{jax.process_count()} processes"
             )
-        self._send(Setup(_core_fields(config)))
+        self._send(Setup(config.to_fields()))
         core = EngineCore(config, agree_pages=self._decide_pages)
         core.runner.mirror = self.mirror
         return core
@@ -386,19 +387,6 @@ class Leader:
             conn.sendall(data)  # a slow follower holds process 0 here: the bound on queuing
 
 
-def _core_fields(config: CoreConfig) -> dict[str, Any]:
-    fields = dataclasses.asdict(config)
-    fields["model_path"] = str(config.model_path)
-    return fields
-
-
-def _core_config(fields: dict[str, Any]) -> CoreConfig:
-    fields = dict(fields)
-    if fields.get("devices") is not None:
-        fields["devices"] = tuple(fields["devices"])
-    return CoreConfig(**fields)
-
-
 # --- the others -----------------------------------------------------------------------
 
 
@@ -414,7 +402,7 @@ def follow(conn: socket.socket) -> int:
                 raise ChannelError(f"process 0 sent {got} where a {kind.__name__} goes")
             return message
 
-        config = _core_config(expect(Setup).core)
+        config = CoreConfig.from_fields(expect(Setup).core)
         # the pages are process 0's to count (from its devices' memory): this one is told
         runner = EngineCore(config, agree_pages=lambda _: expect(Pages).num_pages).runner
         logger.info("following process 0")

@@ -1,6 +1,6 @@
 """Weight-only int8 quantization: per output channel, symmetric, applied once at load.
 
-Owns: the `--quantization` choices (QUANTIZATIONS), the quantization of one weight
+Owns: the quantization (of engine.types.QUANTIZATIONS' choices) of one weight
 (`quantize_weight`) and of a whole placed param tree (`quantize_params`), and the bytes
 params take (`param_bytes`). Receives params in the checkpoint's layout, already on
 their mesh (engine.mesh.place_checkpoint_params); emits the same tree with every matmul
@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from engine.types import QUANTIZATIONS
+
 Params = dict[str, Any]
 
-QUANTIZATIONS = ("none", "int8")
 LAYER_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 HEAD_WEIGHTS = ("embed", "lm_head")  # both (vocab, hidden): scales per vocabulary row
 INT8_MAX = 127.0

@@ -82,7 +82,6 @@ def host_arrays(sampling: SamplingParams, vocab_size: int) -> SamplingArrays:
     """One request's sampling as host scalars; dtypes and shapes fixed so jit never retraces."""
     if sampling.seed is None:
         raise ValueError("sampling.seed must be set before the engine sees the request")
-    sampling.check_vocab(vocab_size)
     bias_ids = np.full((MAX_LOGIT_BIAS,), INT32_MAX, np.int32)
     bias_values = np.zeros((MAX_LOGIT_BIAS,), np.float32)
     for i, (token, bias) in enumerate(sampling.logit_bias):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.core import EngineCore
-from engine.core.sequence import Sequence as CoreSequence
+from engine.core.sequence import SequenceState as CoreSequence
 from engine.types import SamplingParams
 
 

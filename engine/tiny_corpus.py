@@ -1,5 +1,7 @@
 """A fixed few-KB corpus the tiny test tokenizer is trained on.
 
+Owns: CORPUS (engine.tiny trains the tiny checkpoints' tokenizer on it).
+
 Mixed English prose with some accented, CJK and emoji text, so that the
 byte-level BPE learns real merges and multi-byte characters get split across
 tokens (what incremental detokenization must cope with).

@@ -1,7 +1,10 @@
 """Plain data every layer of the engine shares: sampling parameters, limits, logprobs,
 structured-output constraints (as protocols), the engine's stats, and its errors.
 
-Nothing here touches a device, a thread or a socket.
+Owns: these types, the rules each value must satisfy (SamplingParams' ranges,
+EngineLimits.check, SamplingParams.check_vocab), and the names of the engine-side flag
+choices (DTYPE_NAMES, QUANTIZATIONS, KV_CACHE_DTYPES). Nothing here touches a device, a
+thread or a socket, nor imports JAX: the HTTP process reads it too.
 """
 
 from __future__ import annotations
@@ -48,15 +51,23 @@ class PromptTooLongError(EngineError, ValueError):
         super().__init__(message)
 
 
-DTYPE_NAMES = ("float32", "bfloat16")  # what --dtype takes; engine.checkpoint maps them
+# The choices of the flags that name an engine-side format, here (JAX-free) so the HTTP
+# process can check a flag at the edge without loading JAX:
+DTYPE_NAMES = ("float32", "bfloat16")  # --dtype; engine.checkpoint maps them
+QUANTIZATIONS = ("none", "int8")  # --quantization; engine.quant applies them
+# the attention backend (engine.attention: "auto" is the platform's, "reference" the definition)
+ATTENTION_BACKENDS = ("auto", "reference", "gpu-pallas", "gpu-xla")
+# --kv-cache-dtype (vLLM's names); engine.attention.kv_dtype stores them, and a test holds
+# its own tuple equal to this one
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
 class EngineLimits:
     """What a loaded engine can take, published once and asked by everyone.
 
-    The server turns `check` into 400s before queueing; the orchestrator calls the
-    same `check` when it admits a request, so the rule cannot drift.
+    The server turns `check` into 400s at the edge; the core calls the same `check`
+    when a request arrives (engine.core.loop), so the rule cannot drift.
     """
 
     max_model_len: int  # prompt + completion tokens
@@ -228,8 +239,9 @@ class SamplingParams:
         """SamplingError when logit_bias, allowed_token_ids or logprob_token_ids names an id
         outside the vocabulary.
 
-        The one owner of this rule: the server asks it for a 400, the engine before
-        building the device arrays.
+        The one owner of this rule inside the engine: the core asks it when a request
+        arrives (engine.core.loop), before any device array is built; the server checks the
+        same ids at the edge with vLLM's wording (server.params.check_vocab).
         """
         named = (
             ("logit_bias", [token for token, _ in self.logit_bias]),

@@ -2,7 +2,7 @@
 
 Signals: the first SIGTERM (or SIGINT) starts a drain (readiness 503, new
 requests 503, in-flight ones finish up to --drain-timeout) and then the
-process exits 0; a second signal exits at once. A stage fault ends the
+process exits 0; a second signal exits at once. An engine core that fails ends the
 process with exit code 1 so Kubernetes restarts it.
 
 Connections: uvicorn's h11 protocol with deadlines on what a client owes
@@ -169,7 +169,13 @@ def _load_and_freeze(config: ServerConfig) -> Backend:
 
 def build_server(config: ServerConfig) -> DrainingServer:
     """The HTTP server."""
+    from sse_starlette.sse import AppStatus
+
     from server.app import create_app
+
+    # We drain streams ourselves (server.lifecycle): sse-starlette must not cut them when
+    # uvicorn's exit flag is set.
+    AppStatus.disable_automatic_graceful_drain()
 
     app = create_app(config, functools.partial(_load_and_freeze, config))
     uv_config = uvicorn.Config(

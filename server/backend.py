@@ -1,4 +1,4 @@
-"""What the server needs of the model behind it, and nothing more: the seams to engine/.
+"""What the server needs of the model behind it, and nothing more: the seams to frontend/.
 
 The HTTP side speaks to a loaded model only through these protocols (the real
 engine client and tokenizer implement them, and so do the tests' fakes), so no
@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.request import ActiveRequest, RequestStream
 from engine.types import EngineLimits, EngineStats
+from frontend.request import ActiveRequest, RequestStream
 from tokenization.grammar import GrammarCompiler
 
 
@@ -52,7 +52,7 @@ class TokenizerClient(Protocol):
 
 
 class EngineHandle(Protocol):
-    """The engine operations the runtime and the request handlers use (engine.client)."""
+    """The engine operations the runtime and the request handlers use (frontend.client)."""
 
     @property
     def alive(self) -> bool: ...

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.request import ActiveRequest, Delta
 from engine.types import SamplingParams, TokenLogprobs
+from frontend.request import ActiveRequest, Delta
 from server.backend import Backend
 from server.beam_plan import BeamSettings
 from server.generation import Generation, PromptDelta, RequestLog, Shaper

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request import Delta
 from engine.types import TokenLogprobs
+from frontend.request import Delta
 from server.backend import TokenizerClient
 from server.generation import PromptDelta
 from server.params import GenerationPlan, PromptInput, finite

@@ -4,6 +4,12 @@ This is the only module that reads `os.environ` (through the `environ` argument 
 `parse_config`, which `__main__` fills). Every flag `--some-flag` also comes from the
 environment variable `LLM_SERVER_SOME_FLAG`; a flag beats the variable, the variable
 beats the default.
+
+The engine core's part is typed too: `ServerConfig.core_config` builds the core's
+`CoreConfig` (engine.core.config), which owns and checks its fields; a ServerConfig
+builds one when it is made, so a bad flag fails here, before anything starts. A new
+engine flag touches this file (the field, its flag, its line in `core_config`) and
+engine/core/config.py.
 """
 
 from __future__ import annotations
@@ -15,12 +21,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from engine.attention.kv_dtype import KV_CACHE_DTYPES
+from engine.core.config import CoreConfig
 from engine.core.speculation import SpeculativeConfig
 from engine.faults import FaultPlan
 from engine.model_source import DEFAULT_MODEL, DEMO, DEMO_NAME
-from engine.quant import QUANTIZATIONS
-from engine.types import DTYPE_NAMES as DTYPES
+from engine.types import KV_CACHE_DTYPES, QUANTIZATIONS
 from server.tool_parsers import PARSERS as TOOL_PARSERS
 
 ENV_PREFIX = "LLM_SERVER_"
@@ -100,7 +105,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_num_seqs", "max_queued_samples", "max_request_bytes"):
+        for name in ("max_queued_samples", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -113,19 +118,11 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.prefill_chunk is not None and self.prefill_chunk < self.page_size:
             raise ValueError(
                 f"prefill_chunk must be at least page_size ({self.page_size}), "
                 f"got {self.prefill_chunk}"
             )
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         budget = self.kv_cache_memory_bytes
         if budget is not None and budget < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {budget}")
@@ -135,17 +132,6 @@ class ServerConfig:
             )
         if self.fault_injection is not None:
             FaultPlan.parse(self.fault_injection)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                f"got {self.kv_cache_dtype!r}"
-            )
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be json or text, got {self.log_format!r}")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -168,8 +154,6 @@ class ServerConfig:
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(f"enable_auto_tool_choice needs tool_call_parser ({parsers})")
-        if self.speculative_config is not None:
-            SpeculativeConfig.parse(self.speculative_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if (self.prefill_devices is None) != (self.generate_devices is None):
@@ -191,6 +175,27 @@ class ServerConfig:
             raise ValueError("speculative_config does not combine with prefill_devices yet")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+        self.core_config(model_path="")  # the core's fields, checked by their owner
+
+    def core_config(self, model_path: str) -> CoreConfig:
+        """The engine core's typed config: the flags it reads, under the core's names."""
+        return CoreConfig(
+            model_path=model_path,
+            dtype=self.dtype,
+            quantization=self.quantization or "none",
+            kv_cache_dtype=self.kv_cache_dtype,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.batched_tokens,
+            chunk_size=self.prefill_chunk,
+            page_size=self.page_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            memory_utilization=self.gpu_memory_utilization,
+            prefix_caching=self.prefix_caching,
+            async_scheduling=self.async_scheduling,
+            tensor_parallel_size=self.tensor_parallel_size,
+            speculative_config=self.speculative_config,
+        )
 
     @property
     def batched_tokens(self) -> int | None:

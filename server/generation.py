@@ -20,7 +20,8 @@ from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 
-from engine.request import (
+from engine.types import PromptTooLongError
+from frontend.request import (
     Delta,
     Overloaded,
     RequestFailed,
@@ -29,7 +30,6 @@ from engine.request import (
     RequestTimings,
     Unavailable,
 )
-from engine.types import PromptTooLongError
 from server.backend import Backend, EngineHandle
 from server.errors import APIError, bad_request
 from server.lifecycle import Runtime, State

@@ -3,8 +3,10 @@
 Runs on: the event loop (every method except the loader thread and the
 engine's failure listener, which hop onto the loop). Owns: the loaded
 backend, readiness, liveness, the count of in-flight generation requests and
-the drain. It never ends the process itself: it sets `exit_requested` and the
-entrypoint decides (exit code 0 after a drain, 1 after a fault).
+the drain: the one owner of the serving state (the engine client only knows whether
+its core process lives, and does the engine's half of a drain when told). It never
+ends the process itself: it sets `exit_requested` and the entrypoint decides (exit
+code 0 after a drain, 1 after a fault).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class Runtime:
     # --- failure ----------------------------------------------------------------------
     def _failure_from_thread(self, *args: Any) -> None:
         error = next((a for a in args if isinstance(a, BaseException)), None)
-        self._call_soon(self._fail, error or RuntimeError("an engine stage died"))
+        self._call_soon(self._fail, error or RuntimeError("the engine core died"))
 
     def _fail(self, error: BaseException) -> None:
         if self.state is State.FAILED:
@@ -114,7 +116,7 @@ class Runtime:
     # --- probes -----------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        """Liveness: the process and every stage are alive (loading counts as alive)."""
+        """Liveness: the process and its engine core are alive (loading counts as alive)."""
         if self.state is State.FAILED:
             return False
         return self.backend is None or self.backend.engine.alive

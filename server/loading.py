@@ -1,17 +1,22 @@
 """Build the backend a config asks for: checkpoint, tokenizer, the engine core.
 
-Runs on: the runtime's loader thread, once. Slow (loads weights and compiles
-every shape); the HTTP server answers the probes meanwhile.
+Runs on: the runtime's loader thread, once. Slow (the core process loads weights and
+compiles every shape); the HTTP server answers the probes meanwhile. Never imports JAX
+itself.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from server.backend import Backend
 from server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from frontend.client import EngineClient
+    from frontend.text import TextStreamFactory
 
 logger = logging.getLogger(__name__)
 
@@ -25,81 +30,53 @@ def model_path(config: ServerConfig) -> Path:
 
 
 def enable_compile_cache(config: ServerConfig) -> Path | None:
-    """Keep XLA's compiled programs on disk, so a restart warms up from them.
-
-    Warm-up compiles every shape (minutes on a 100M model); a restart, or a pod that finds
-    the previous one's volume, reads them back instead. JAX_COMPILATION_CACHE_DIR, when
-    set (the container image sets it), wins. Returns the folder in use, None when off.
-    """
-    import jax
+    """A multi-host follower's compile cache (it runs a core itself; process 0's core sets
+    its own): the folder in use (JAX_COMPILATION_CACHE_DIR, when set, wins), None when off."""
+    from engine.core.process import enable_compile_cache as enable
 
     if not config.compile_cache:
         return None
-    current = getattr(jax.config, "jax_compilation_cache_dir", None)
-    if current:
-        return Path(current)
-    folder = config.compile_cache_dir
-    folder.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every shape
-    return folder
+    return Path(enable(str(config.compile_cache_dir)))
 
 
-def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> Any:
+def load_core(config: ServerConfig, text_streams: TextStreamFactory) -> EngineClient:
     """The engine core over paged KV in its own process, warmed up, behind an EngineClient:
     one tensor-parallel mesh, on one host or (multi-host) over every process's devices,
     the core process leading the others (engine.multihost); or a prefill and a decode
-    device set (engine.core.disaggregated)."""
-    from engine.client import EngineClient
+    device set (engine.core.disaggregated). The core process sets up the compile cache."""
+    from engine.core.process import ProcessConfig
     from engine.faults import FaultPlan
+    from frontend.client import EngineClient
 
-    folder = enable_compile_cache(config)
-    logger.info("compile cache: %s", folder or "off")
     fault = None if config.fault_injection is None else FaultPlan.parse(config.fault_injection)
-    core = {
-        "model_path": str(model_path(config)),
-        "dtype": config.dtype,
-        "quantization": config.quantization or "none",
-        "kv_cache_dtype": config.kv_cache_dtype,
-        "max_num_seqs": config.max_num_seqs,
-        "max_model_len": config.max_model_len,
-        "max_num_batched_tokens": config.batched_tokens,
-        "chunk_size": config.prefill_chunk,
-        "page_size": config.page_size,
-        "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
-        "memory_utilization": config.gpu_memory_utilization,
-        "prefix_caching": config.prefix_caching,
-        "async_scheduling": config.async_scheduling,
-        "tensor_parallel_size": config.tensor_parallel_size,
-        "speculative_config": config.speculative_config,
-    }
-    client = EngineClient(
-        core,
-        text_streams,
-        eos_token_ids,
-        max_queued_samples=config.max_queued_samples,
+    process = ProcessConfig(
+        core=config.core_config(str(model_path(config))),
         log_level=logging.getLogger().getEffectiveLevel(),
-        compile_cache_dir=None if folder is None else str(folder),
+        compile_cache_dir=str(config.compile_cache_dir) if config.compile_cache else None,
         fail_after_steps=None if fault is None else fault.after,
-        num_processes=config.num_processes,
+        num_processes=config.num_processes,  # multi-host: the core leads (engine.multihost)
         coordinator_address=config.coordinator_address,
         distributed_timeout=config.distributed_timeout,
-        prefill_devices=config.prefill_devices,
+        prefill_devices=config.prefill_devices,  # disaggregated (engine.core.disaggregated)
         generate_devices=config.generate_devices,
     )
+    client = EngineClient(process, text_streams, max_queued_samples=config.max_queued_samples)
     client.start()
     return client
 
 
 def load_backend(config: ServerConfig) -> Backend:
     """Load, warm up and start; raises on any failure (the runtime reports it)."""
-    from engine.config import load_model_config
-    from engine.text import text_streams
+    from frontend.text import text_streams
     from tokenization import Tokenizer
 
     path = model_path(config)
     template = config.chat_template.read_text(encoding="utf-8") if config.chat_template else None
     tokenizer = Tokenizer.from_folder(path, chat_template=template)
-    eos = tokenizer.eos_token_ids | frozenset(load_model_config(path).eos_token_ids)
-    client = load_core(config, text_streams(tokenizer.detokenizer, eos), eos)
-    return Backend(tokenizer=tokenizer, engine=client, limits=client.limits, eos_token_ids=eos)
+    client = load_core(config, text_streams(tokenizer.detokenizer))
+    return Backend(
+        tokenizer=tokenizer,
+        engine=client,
+        limits=client.limits,
+        eos_token_ids=client.eos_token_ids,  # the core's (beam search reads them)
+    )

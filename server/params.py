@@ -17,7 +17,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from engine.request import ActiveRequest
 from engine.types import (
     MAX_LOGPROBS,
     PromptTooLongError,
@@ -25,6 +24,7 @@ from engine.types import (
     TokenConstraint,
     TokenLogprobs,
 )
+from frontend.request import ActiveRequest
 from server.backend import ModelLimits, TokenizerClient
 from server.beam_plan import BeamSettings, beam_settings
 from server.config import ServerConfig
@@ -340,7 +340,6 @@ def sampling_params(
             constraint=constraint,
             logprob_token_ids=None if picked is None else tuple(picked),
         )
-        sampling.check_vocab(limits.vocab_size)
     except ValueError as exc:  # SamplingError names its field
         raise bad_request(str(exc), param=getattr(exc, "param", None)) from exc
     return sampling

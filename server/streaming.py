@@ -1,27 +1,26 @@
 """SSE framing: `data: <json>` events with "\\n" line ends, `: ping` keep-alives, `[DONE]`.
 
 Owns the shape of the bytes on the wire for every streamed response and the
-response that sends them (`EventStream`); the handlers only produce JSON-able
-dicts. The Responses API frames its events differently (`NamedEvents`): each
-has an `event:` line and a `sequence_number`, and the stream ends without
-`[DONE]`.
+response that sends them (sse-starlette's EventSourceResponse, the project's chosen
+package, in `sse_response`); the handlers only produce JSON-able dicts. The Responses
+API frames its events differently (`NamedEvents`): each has an `event:` line and a
+`sequence_number`, and the stream ends without `[DONE]`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
 
 from server.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
-PING = b": ping\n\n"
+PING = b": ping\n\n"  # what `_ping` encodes to
 _EVENT_TYPE = re.compile(r"[a-z_.]+")
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -88,84 +87,37 @@ class NamedEvents:
         )
 
 
-class EventStream(Response):
-    """A `text/event-stream` response: each framed event is one body send, as it comes.
-
-    Beside the sender run a `: ping` every `ping_interval` seconds (proxies cut quiet
-    connections) and a watch for the client's disconnect, which cancels the sender
-    (the events' iterator is closed, so its `finally` runs). sse-starlette did this
-    with a cancel scope around every send, ~15% of the HTTP process's CPU at full
-    occupancy (bench/README); here a send is the ASGI send alone.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self,
-        events: AsyncIterator[bytes],
-        *,
-        ping_interval: float,
-        cleanup: Callable[[], Awaitable[None]],
-        headers: dict[str, str],
-    ) -> None:
-        self.events = events
-        self.ping_interval = ping_interval
-        self.cleanup = cleanup
-        self.status_code = 200
-        self.background = None
-        self.init_headers(headers)
-        self._closing = asyncio.Lock()  # the last send and a ping never interleave
-        self._complete = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = self.raw_headers
-        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
-        if scope.get("method") == "HEAD":
-            self.events = _nothing()
-        sender = asyncio.ensure_future(self._send_events(send))
-        helpers = [asyncio.ensure_future(self._until_disconnect(receive))]
-        if self.ping_interval > 0:
-            helpers.append(asyncio.ensure_future(self._ping(send)))
-        try:
-            await asyncio.wait((sender, helpers[0]), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (sender, *helpers):
-                task.cancel()
-            await asyncio.gather(sender, *helpers, return_exceptions=True)
-            await self.cleanup()
-        error = None if sender.cancelled() else sender.exception()
-        if error is not None:
-            raise error  # a failed send, as itself
-
-    async def _send_events(self, send: Send) -> None:
-        try:
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        finally:  # cancelled while the iterator waits at a yield: close it here
-            aclose = getattr(self.events, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        async with self._closing:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            self._complete = True
-
-    async def _ping(self, send: Send) -> None:
-        while True:
-            await asyncio.sleep(self.ping_interval)
-            async with self._closing:
-                if self._complete:
-                    return
-                await send({"type": "http.response.body", "body": PING, "more_body": True})
-
-    @staticmethod
-    async def _until_disconnect(receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+def _ping() -> ServerSentEvent:
+    return ServerSentEvent(comment="ping", sep="\n")
 
 
-async def _nothing() -> AsyncIterator[bytes]:
-    return
-    yield
+def _once(cleanup: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """`cleanup`, run by whichever of its two callers comes first."""
+    done = False
+
+    async def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            await cleanup()
+
+    return run
+
+
+async def _cleaned(
+    events: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]]
+) -> AsyncIterator[bytes]:
+    """`events`, then `cleanup`: also when sending fails (the response's background task
+    runs only after a response that ended without an error). `events` is closed first,
+    so its own `finally` has run when the cleanup does."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        await cleanup()
 
 
 def sse_response(
@@ -174,16 +126,22 @@ def sse_response(
     ping_interval: float,
     cleanup: Callable[[], Awaitable[None]],
     headers: dict[str, str] | None = None,
-) -> EventStream:
-    """Stream `events` (already framed) with keep-alive pings.
+) -> EventSourceResponse:
+    """Stream `events` (already framed: bytes pass through sse-starlette unchanged) with a
+    `: ping` every `ping_interval` seconds (0: none; proxies cut quiet connections).
 
-    `cleanup` runs after the response ends however it ends (it must be
-    idempotent): when a client disconnects before the body iterator has even
-    started, the iterator's own `finally` never runs, but this does.
+    `cleanup` runs after the response ends however it ends (it must be idempotent): when
+    a client disconnects before the body iterator has even started, the iterator's own
+    `finally` never runs, but the background task does. The server drains streams itself
+    (server.lifecycle), so sse-starlette's own drain on uvicorn's exit is off
+    (server.__main__).
     """
-    return EventStream(
-        events,
-        ping_interval=ping_interval,
-        cleanup=cleanup,
-        headers={**STREAM_HEADERS, "Connection": "keep-alive", **(headers or {})},
+    cleanup = _once(cleanup)
+    return EventSourceResponse(
+        _cleaned(events, cleanup),
+        headers={**STREAM_HEADERS, **(headers or {})},
+        ping=ping_interval,
+        sep="\n",
+        ping_message_factory=_ping,
+        background=BackgroundTask(cleanup),
     )

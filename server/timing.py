@@ -1,7 +1,7 @@
 """A request's lifetime events for the client: the Server-Timing header and its JSON form.
 
 A slow request shows where its time went (queue, prefill, ttft,
-decode, total; engine.request.RequestTimings.phases) without access to /metrics:
+decode, total; frontend.request.RequestTimings.phases) without access to /metrics:
 non-streaming responses carry a `Server-Timing` header (W3C Server Timing, which
 browsers' developer tools and curl -v show), and streams, whose headers leave
 before any of it is known, carry the same figures as `server_timing` in the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.request import RequestTimings
+from frontend.request import RequestTimings
 
 
 def phases_ms(timings: Iterable[RequestTimings]) -> dict[str, float]:

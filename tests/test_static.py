@@ -1,7 +1,7 @@
 """Static checks run with the tests, so CI's one test command holds the code to them.
 
 ruff (lint and format, configured in pyproject.toml) over the tree, and mypy over
-the three packages.
+the four packages.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ["server", "engine", "tokenization"]
+PACKAGES = ["server", "frontend", "engine", "tokenization"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

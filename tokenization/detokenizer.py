@@ -1,6 +1,7 @@
 """Incremental detokenization: token ids in, text deltas out, one instance per request.
 
-Runs on: the orchestrator's detokenize stage (one thread per instance at a time).
+Runs on: the output processor's receiver thread (frontend.output), one instance per
+sample, inside its TextStream.
 Owns: the request's recent token window and what of it has been emitted.
 
 The window trick (as in vLLM and SGLang): decode only tokens[prefix:] and emit the

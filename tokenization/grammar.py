@@ -1,10 +1,11 @@
 """Structured outputs: a request's constraint (JSON schema, regex, choice, grammar) as token masks.
 
 Runs on: the server's tokenizer threads (`GrammarCompiler.compile`, before a request is
-queued, so a bad constraint is a 400 before any stream starts) and the orchestrator's
-grammar worker (`GrammarMatcher`, one per sample). Owns: the llguidance tokenizer built
-once from the checkpoint's fast tokenizer, a bounded LRU of compiled grammars, and the
-resource limits that keep a pathological schema or regex from holding a thread.
+queued, so a bad constraint is a 400 before any stream starts) and the engine core's
+loop (its own compiler; `GrammarMatcher`, one per sample, advanced by the scheduler).
+Owns: the llguidance tokenizer built once from the checkpoint's fast tokenizer, a
+bounded LRU of compiled grammars, and the resource limits that keep a pathological
+schema or regex from holding a thread.
 
 Why llguidance: it compiled a small JSON schema ~10x faster than xgrammar 0.2.9 here
 (~1.2 ms vs ~15 ms on the gpt2 vocabulary; compilation sits on the request path),

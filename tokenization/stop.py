@@ -1,6 +1,7 @@
 """Stop strings over a stream of text deltas, one instance per request.
 
-Runs on: the orchestrator's detokenize stage, after the incremental detokenizer.
+Runs on: the output processor's receiver thread (frontend.output), after the incremental
+detokenizer, inside a sample's TextStream.
 Owns: the held-back tail of the request's text.
 
 Only text that can no longer be part of a stop string is released: the longest

@@ -1,20 +1,20 @@
-"""A sample's whole text path, and every rule that ends it.
+"""A sample's text path: incremental detokenizing, stop strings, release of held text.
 
-Runs on: the orchestrator's detokenize stage, one instance per sample (the
-property tests drive the same class). Owns: the sample's detokenizer and stop
-matcher, its token count and the finishing rules, in this order per token:
-a stop token id (the user's, once min_tokens are out) or EOS (unless
-ignore_eos; the model's, likewise after min_tokens) ends the sample without
-its own text; else the token's text goes through the stop strings; a token that
-completes the sample's structured-output grammar ends it with "stop"; the last
-token of the budget ends it with "length". Whatever ends it, held-back text is
-released, and a stop string completed by that release wins, since it comes
-first in the text.
+Runs on: the HTTP process's output processor (frontend.output), one instance per sample
+(the property tests drive the same class). Owns: the sample's detokenizer and stop
+matcher and its token count. Every token rule is the engine core's
+(engine.core.rules.finish_reason: EOS, stop token ids after min_tokens, the budget;
+and grammar completion), and each token comes with its verdict: a stop token (or EOS)
+ends the sample without its own text; any other token's text goes through the stop
+strings, which may end the sample first; a token that completes the grammar ends it
+with "stop", the last of the budget with "length", each after its text. Whatever ends
+it, held-back text is released, and a stop string completed by that release wins,
+since it comes first in the text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,9 +58,6 @@ class TextStream:
         detokenizer: Detokenizer,
         *,
         stop: Sequence[str] = (),
-        stop_token_ids: Collection[int] = (),
-        eos_token_ids: Collection[int] = (),
-        min_tokens: int = 0,
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._detokenizer = detokenizer
@@ -69,9 +66,6 @@ class TextStream:
             if stop
             else None
         )
-        self._stop_token_ids = frozenset(stop_token_ids)
-        self._eos_token_ids = frozenset(eos_token_ids)
-        self._min_tokens = min_tokens
         self._finished = False
         self.tokens = 0  # tokens consumed (the sample's completion_tokens)
 
@@ -94,24 +88,30 @@ class TextStream:
     def finished(self) -> bool:
         return self._finished
 
-    def add(self, token_id: int, *, last: bool = False, done: bool = False) -> TextStep:
-        """Consume one generated token; `last`: the budget (max_tokens, context) ends with it;
-        `done`: the structured-output grammar is complete with it (nothing may follow).
+    def add(
+        self,
+        token_id: int,
+        *,
+        finish: str | None = None,
+        done: bool = False,
+        stop_token: int | None = None,
+    ) -> TextStep:
+        """Consume one generated token with the core's verdict on it: `finish` "length"
+        (the budget ends with it), "stop" with `done` (the grammar is complete with it), or
+        "stop" without (a stop token: `stop_token` its id, None for EOS; its text is not
+        sent); None: the sample goes on, unless a stop string ends it here.
 
         After a finished step, later tokens yield nothing.
         """
         if self._finished:
             return TextStep("")
         self.tokens += 1
-        may_stop = self.tokens >= self._min_tokens
-        if may_stop and token_id in self._stop_token_ids:
-            return self._end("stop", token_id)
-        if may_stop and token_id in self._eos_token_ids:
-            return self._end("stop", None)
+        if finish == "stop" and not done:
+            return self._end("stop", stop_token)
         step = self._stop_strings(self._detokenizer.add(token_id))
-        if step.finished or not (last or done):
+        if step.finished or finish is None:
             return step
-        tail = self._end("stop" if done else "length", None)
+        tail = self._end(finish, None)
         return TextStep(step.text + tail.text, tail.finish_reason, tail.stop_reason)
 
     def finish(self) -> TextStep:

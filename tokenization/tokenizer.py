@@ -1,8 +1,9 @@
 """The tokenizer of one checkpoint: text <-> ids, EOS ids, chat template, token bytes.
 
 Owns: the fast Hugging Face tokenizer loaded from a local checkpoint folder (never a
-hub) and everything derived from it once at load. Shared by the server's request
-threads and the orchestrator's stages: encode and decode go straight to the Rust
+hub) and everything derived from it once at load. Shared by the server's tokenizer
+threads and the output processor's receiver thread (frontend.output); the engine core
+loads its own (EOS ids, grammars). Encode and decode go straight to the Rust
 tokenizer, whose settings are never changed after load, so threads never race on it;
 the one thing filled in later, the cache of token bytes, is written under a lock.
 """

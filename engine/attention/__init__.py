@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from engine.attention.cpu import CpuAttention
 from engine.attention.layout import AttentionBatch, Ints, KVLayout, pages_for
 from engine.attention.reference import Attention, ReferenceAttention
+from engine.types import ATTENTION_BACKENDS
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -44,7 +45,6 @@ __all__ = [
 
 # "auto": the platform's backend; "reference": the pure-JAX definition on any platform;
 # "gpu-pallas" / "gpu-xla": GpuAttention's two forms (GPU only).
-ATTENTION_BACKENDS = ("auto", "reference", "gpu-pallas", "gpu-xla")
 _GPU_KERNELS = {"auto": "pallas", "gpu-pallas": "pallas", "gpu-xla": "xla"}
 
 

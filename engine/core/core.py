@@ -17,98 +17,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.attention import ATTENTION_BACKENDS, KVLayout, attention_backend, attention_layout
+from engine.attention import KVLayout, attention_backend, attention_layout
 from engine.attention.kv_dtype import storage_dtype
-from engine.checkpoint import NP_DTYPES
 from engine.config import ModelConfig, load_model_config, tensor_parallel
+from engine.core.config import CoreConfig, SchedulerConfig
 from engine.core.defaults import BACKEND_DEFAULTS, defaults_for
 from engine.core.draft import DraftProposer, build_draft, draft_config
 from engine.core.memory import KVBudget, pages_for_budget
 from engine.core.messages import Stats
 from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Launched, Runner, StepPlan
-from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
-from engine.core.speculation import SpecCounters, SpeculativeConfig
+from engine.core.scheduler import Emitted, Scheduler, SequenceState
+from engine.core.speculation import SpecCounters
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
 from engine.model import Params
 from engine.paged_model import hidden_major_head
-from engine.quant import QUANTIZATIONS, param_bytes, quantize_params
+from engine.quant import param_bytes, quantize_params
 from engine.types import EngineLimits
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_MODEL_LEN = 4096
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    """What to load and the shapes to serve it with (vLLM's names where they exist)."""
-
-    model_path: str | Path
-    dtype: str = "float32"
-    max_num_seqs: int = 8
-    max_model_len: int | None = None  # None: the model's, at most DEFAULT_MAX_MODEL_LEN
-    max_num_batched_tokens: int | None = 256  # None: a chunk + every row
-    chunk_size: int | None = 128  # prompt positions per chunk; None: the backend's
-    max_prefill_seqs: int = 4  # prompt chunks per step
-    page_size: int | None = 16  # None: the backend's (engine.core.defaults)
-    num_pages: int | None = None  # or from kv_cache_memory_bytes / the devices
-    kv_cache_memory_bytes: int | None = None
-    # of each device's memory, when neither is given; None: the backend's
-    memory_utilization: float | None = 0.9
-    prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    devices: tuple[int, ...] | None = None  # ids; default the first tensor_parallel_size
-    speculative_config: str | None = None  # vLLM's JSON (engine.core.speculation)
-    quantization: str = "none"  # "int8": weights per output channel (engine.quant)
-    kv_cache_dtype: str = "auto"  # pages' dtype (engine.attention.kv_dtype)
-    async_scheduling: bool = True  # the loop plans step N + 1 while step N runs
-    prefill_only: bool = False  # a disaggregated core's prefill set (engine.core.disaggregated)
-    attention: str = "auto"  # engine.attention.ATTENTION_BACKENDS ("reference": the definition)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in NP_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(NP_DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
-            )
-        storage_dtype(self.kv_cache_dtype, self.dtype)  # raises naming kv_cache_dtype
-        if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
-            raise ValueError("give at most one of num_pages and kv_cache_memory_bytes")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
-            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention must be one of {list(ATTENTION_BACKENDS)}, got {self.attention!r}"
-            )
-        if self.speculative_config is not None:
-            SpeculativeConfig.parse(self.speculative_config)
-        if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
-            raise ValueError(
-                f"devices {list(self.devices)} must be tensor_parallel_size "
-                f"({self.tensor_parallel_size}) ids"
-            )
-
-    @property
-    def speculative(self) -> SpeculativeConfig | None:
-        text = self.speculative_config
-        return None if text is None else SpeculativeConfig.parse(text)
-
-    def model_len(self, cfg: ModelConfig) -> int:
-        if self.max_model_len is None:
-            return min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {cfg.max_position_embeddings}"
-            )
-        return self.max_model_len
 
 
 class EngineCore:
@@ -270,7 +197,7 @@ class EngineCore:
             self.draft.runner.warmup()  # its proposals' steps
             self.draft.runner.warmup_fill()  # following the target's
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         self.scheduler.add(seq)
 
     def abort(self, seq_id: str) -> bool:
@@ -366,4 +293,4 @@ class Pending:
     launched: Launched
 
 
-__all__ = ["CoreConfig", "Emitted", "EngineCore", "Pending", "Sequence"]
+__all__ = ["CoreConfig", "Emitted", "EngineCore", "Pending", "SequenceState"]

@@ -28,10 +28,11 @@ from dataclasses import dataclass, replace
 import jax
 
 from engine.config import ModelConfig
-from engine.core.core import CoreConfig, EngineCore, Pending
+from engine.core.config import CoreConfig
+from engine.core.core import EngineCore, Pending
 from engine.core.messages import Stats
 from engine.core.runner import pages_sharding
-from engine.core.sequence import Emitted, Sequence
+from engine.core.sequence import Emitted, SequenceState
 from engine.mesh import device_sets
 from engine.types import EngineLimits
 
@@ -68,7 +69,7 @@ class DisaggregatedCore:
         self.transfers = TransferCounters()
         # prompts computed, first token sampled, waiting for a decode row (their pages
         # held in the prefill set meanwhile)
-        self._handoffs: deque[Sequence] = deque()
+        self._handoffs: deque[SequenceState] = deque()
         self._target = pages_sharding(decode.mesh, target)
 
     @classmethod
@@ -158,7 +159,7 @@ class DisaggregatedCore:
         self.decode.warmup()
         self._copy([], [])  # compiles the copy's programs (padding only)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         self.prefill.add(seq)
 
     def abort(self, seq_id: str) -> bool:
@@ -198,7 +199,7 @@ class DisaggregatedCore:
             self._handoffs.popleft()
         return True
 
-    def _hand_over(self, seq: Sequence) -> bool:
+    def _hand_over(self, seq: SequenceState) -> bool:
         """Copy seq's pages into the decode set (prompt blocks it has cached are shared,
         not copied), free them in the prefill set, and run it there; False (nothing
         changes) while the decode set has no row or pages for it."""

@@ -1,18 +1,19 @@
 """The engine core's loop: messages in, one step, outputs out, until told to stop.
 
 Runs on: the core process's main thread, the only thread that touches the EngineCore
-(scheduler and runner). Owns: the open requests' sample count and the grammar compiler
-of structured outputs (constraints arrive as specs and are compiled here, where the
-masks are needed). Receives `AddRequest`, `Abort` and `Stop` (engine.core.messages) from
-`receive`; emits one `Outputs` per step that sampled anything through `send`.
+(scheduler and runner). Owns: the EOS set (the model's and its tokenizer's) and the
+grammar compiler of structured outputs (constraints arrive as specs and are compiled
+here, where the masks are needed). Receives `AddRequest`, `Abort` and `Stop`
+(engine.core.messages) from `receive`; emits one `Outputs` per step that sampled
+anything through `send`.
 
 Each iteration takes every message waiting (blocking only when nothing runs), dispatches
 the next step, then waits for the one dispatched before it and sends its tokens: one step
 is in flight while the host plans and sends (`CoreConfig.async_scheduling`; a step that
 needs what the one in flight decides is planned after it instead). A request the core
-cannot take (its grammar fails to compile, its prompt does not fit) comes back in
-`Outputs.rejected`; a failure of the loop itself propagates (the process reports it and
-exits non-zero).
+cannot take (its grammar fails to compile, its prompt does not fit, an id is outside
+the vocabulary) comes back in `Outputs.rejected`; a failure of the loop itself
+propagates (the process reports it and exits non-zero).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
 from engine.config import ModelConfig
-from engine.core.core import CoreConfig
+from engine.core.config import CoreConfig
 from engine.core.messages import (
     Abort,
     AddRequest,
@@ -34,9 +35,9 @@ from engine.core.messages import (
     ToCore,
     TokenOut,
 )
-from engine.core.scheduler import Emitted, Sequence
+from engine.core.scheduler import Emitted, SequenceState
 from engine.faults import InjectedFault
-from engine.types import TokenConstraint, TokenLogprobs
+from engine.types import EngineLimits, TokenConstraint, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,12 @@ class Core(Protocol[P]):
     @property
     def model_config(self) -> ModelConfig: ...
     @property
+    def limits(self) -> EngineLimits: ...
+    @property
     def busy(self) -> bool: ...
     def launch(self, ahead: bool = False) -> P | None: ...
     def finish(self, pending: P) -> list[Emitted]: ...
-    def add(self, seq: Sequence) -> None: ...
+    def add(self, seq: SequenceState) -> None: ...
     def abort(self, seq_id: str) -> bool: ...
     def stats(self, steps: int) -> Stats: ...
 
@@ -87,13 +90,15 @@ class CoreLoop(Generic[P]):
         send: Send,
         compile_grammar: CompileGrammar | None = None,
         fail_after_steps: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """`eos_token_ids`: EOS ids besides the model config's (the tokenizer's)."""
         self._core = core
+        self.eos_token_ids = frozenset(core.model_config.eos_token_ids) | eos_token_ids
         self._receive = receive
         self._send = send
         self._compile_grammar = compile_grammar
         self._fail_after = fail_after_steps  # test hook: the loop raises after this many steps
-        self._open: dict[str, int] = {}  # request id -> samples not yet ended
         self.counters = LoopCounters()
         self._stopping = False
 
@@ -135,8 +140,7 @@ class CoreLoop(Generic[P]):
             self._stopping = True
         elif isinstance(message, Abort):
             for request_id, index in message.samples:
-                if self._core.abort(seq_id(request_id, index)):
-                    self._ended(request_id)
+                self._core.abort(seq_id(request_id, index))
         elif isinstance(message, AddRequest):
             try:
                 self._add(message)
@@ -145,12 +149,17 @@ class CoreLoop(Generic[P]):
         return None
 
     def _add(self, request: AddRequest) -> None:
+        """The request's sequences, or ValueError (a rejection: 400) when its prompt does
+        not fit, an id is outside the vocabulary or its grammar does not compile: where
+        these are enforced (the server checked them first, to answer early)."""
+        max_tokens = self._core.limits.check(len(request.prompt), request.max_tokens)
         constraint = None
         if request.grammar is not None:
             if self._compile_grammar is None:
                 raise ValueError("structured outputs are not available on this engine")
             constraint = self._compile_grammar(request.grammar.kind, request.grammar.text)
         stop = frozenset(request.stop_token_ids)
+        eos = frozenset() if request.ignore_eos else self.eos_token_ids
         seqs = []
         for index, sample in enumerate(request.samples):
             sampling = sample.params()
@@ -158,30 +167,21 @@ class CoreLoop(Generic[P]):
                 sampling = replace(sampling, constraint=constraint)
             sampling.check_vocab(self._core.model_config.vocab_size)
             seqs.append(
-                Sequence(
+                SequenceState(
                     seq_id(request.request_id, index),
                     request.prompt,
                     sampling,
-                    request.max_tokens,
+                    max_tokens,
                     stop_token_ids=stop,
+                    eos_token_ids=eos,
                     prompt_logprobs=request.prompt_logprobs,
                 )
             )
         for seq in seqs:
             self._core.add(seq)
-        self._open[request.request_id] = len(seqs)
-
-    def _ended(self, request_id: str) -> None:
-        left = self._open.get(request_id, 0) - 1
-        if left <= 0:
-            self._open.pop(request_id, None)
-        else:
-            self._open[request_id] = left
 
     def _out(self, event: Emitted) -> TokenOut:
         request_id, index = parse_seq_id(event.seq_id)
-        if event.finish_reason is not None or event.error is not None:
-            self._ended(request_id)
         prompt = None
         if event.prompt_logprobs is not None:
             prompt = tuple(_entry(e) for e in event.prompt_logprobs)
@@ -197,6 +197,7 @@ class CoreLoop(Generic[P]):
             cached_tokens=event.cached_tokens,
             prompt_logprobs=prompt,
             scheduled=event.scheduled or 0.0,
+            stop_reason=event.stop_reason,
         )
 
 

@@ -1,9 +1,10 @@
-"""How many KV pages the engine core gets: the one owner of the cache's size.
+"""How many KV pages the engine core gets.
 
-Receives the config's wish (a page count, a byte budget per device, or a fraction of each
-device's memory) and the layout of one page; emits a page count. Pure arithmetic but for
-reading the devices' memory statistics (accelerators report them; XLA's CPU backend does
-not, so there the default is every sequence a whole context, the slot cache's bytes).
+Owns: the cache's size (the one owner of it). Receives the config's wish (a page count,
+a byte budget per device, or a fraction of each device's memory) and the layout of one
+page; emits a page count. Pure arithmetic but for reading the devices' memory
+statistics (accelerators report them; XLA's CPU backend does not, so there the default
+is every sequence a whole context, the slot cache's bytes).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """What crosses between the HTTP process and the engine core's process, and nothing else.
 
 Owns: the message types (msgspec Structs, tagged so one decoder reads any of them) and
-their codec. The HTTP side sends `AddRequest` and `Abort`; the core sends `Ready` once,
-then `Outputs` after each step (and `Log` records, and `Failed` once if it dies).
+their codec. The HTTP side (frontend/) sends `AddRequest` and `Abort`; the core sends
+`Ready` once, then `Outputs` after each step (and `Log` records, and `Failed` once if it
+dies). Each sampled token crosses as a `TokenOut` carrying the core's verdict on it.
 
 Token ids in, token ids out: text never crosses. Why msgspec over pickle: typed decoding
 checks every field on arrival (a malformed message is an error, not an object of any
@@ -73,13 +74,17 @@ class Grammar(msgspec.Struct, frozen=True):
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag=True):
+    """A request of n samples; the core decides every token rule of it (EOS, stop ids after
+    min_tokens, the budget, grammar completion) and checks its length and ids."""
+
     request_id: str
     prompt: tuple[int, ...]
     samples: tuple[Sample, ...]
-    max_tokens: int
-    stop_token_ids: tuple[int, ...]  # EOS (unless ignored) and the request's own
+    max_tokens: int | None  # None: until the context is full
+    stop_token_ids: tuple[int, ...]  # the request's own (the core adds its EOS set)
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
+    ignore_eos: bool = False
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -93,7 +98,8 @@ class Stop(msgspec.Struct, frozen=True, tag=True):
 
 
 class TokenOut(msgspec.Struct, frozen=True, array_like=True):
-    """One sampled token of one sample; `finish` set on its last (then no more come)."""
+    """One sampled token of one sample; `finish` set on its last (then no more come): the
+    core's verdict, the one token event that crosses the boundary."""
 
     request_id: str
     index: int
@@ -101,13 +107,14 @@ class TokenOut(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     finish: str | None = None  # "stop" | "length"
-    done: bool = False  # its grammar is complete
+    done: bool = False  # its grammar is complete (finish "stop", the token's text is kept)
     error: str | None = None  # the sample failed (its constraint refused): a 400
     cached_tokens: int = 0  # first token only
     prompt_logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]] | None, ...] | None = (
         None
     )
     scheduled: float = 0.0  # first token only: when its first step began (core's clock)
+    stop_reason: int | None = None  # the stop token id that ended it (None: EOS or other)
 
 
 class Stats(msgspec.Struct, frozen=True):

@@ -1,6 +1,6 @@
 """The engine core's own process: `python -m engine.core.process CONFIG_JSON`.
 
-Runs on: a child of the HTTP process (engine.client starts it), its main thread running
+Runs on: a child of the HTTP process (frontend.core_process starts it), its main thread running
 the CoreLoop. Owns: the two sockets to the parent (ZMQ PULL for requests, PUSH for
 outputs), the process's logging (every record is forwarded to the parent, which writes
 it in the server's format), the compile cache setting, and the exit code: 0 after a
@@ -24,12 +24,13 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
+from engine.core.config import CoreConfig
 from engine.core.messages import FromCore, Log, Ready, ToCore, decode_to_core, encode
 from engine.xla_flags import set_backend_flags
 
@@ -40,14 +41,14 @@ logger = logging.getLogger(__name__)
 class ProcessConfig:
     """Everything the child needs, sent as JSON on its command line."""
 
-    core: dict[str, Any]  # engine.core.core.CoreConfig's fields
-    requests_address: str  # the parent binds both; the child connects
-    outputs_address: str
+    core: CoreConfig
+    # the parent binds both (frontend.core_process sets them); the child connects
+    requests_address: str = ""
+    outputs_address: str = ""
     log_level: int = logging.INFO
-    compile_cache_dir: str | None = None
+    compile_cache_dir: str | None = None  # JAX_COMPILATION_CACHE_DIR, when set, wins
     fail_after_steps: int | None = None  # test hook: the loop fails after this many steps
     structured_outputs: bool = True  # compile grammars (needs the checkpoint's tokenizer)
-    extra: dict[str, Any] = field(default_factory=dict)
     # multi-host (engine.multihost): this core is process 0 of num_processes and leads
     num_processes: int = 1
     coordinator_address: str | None = None
@@ -57,11 +58,12 @@ class ProcessConfig:
     generate_devices: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__)
+        return json.dumps({**self.__dict__, "core": self.core.to_fields()})
 
     @classmethod
     def from_json(cls, text: str) -> ProcessConfig:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        return cls(**{**fields, "core": CoreConfig.from_fields(fields["core"])})
 
 
 class _Channel:
@@ -119,25 +121,31 @@ class _Forward(logging.Handler):
             self.handleError(record)
 
 
-def _core_config(fields: dict[str, Any]) -> Any:
-    from engine.core.core import CoreConfig
-
-    fields = dict(fields)
-    if fields.get("devices") is not None:
-        fields["devices"] = tuple(fields["devices"])
-    return CoreConfig(**fields)
-
-
-def _grammar_compiler(model_path: str, vocab_size: int) -> Any:
-    from tokenization import Tokenizer
+def _grammar_compiler(tokenizer: Any, vocab_size: int) -> Any:
     from tokenization.grammar import GrammarSpec
 
-    compiler = Tokenizer.from_folder(Path(model_path)).grammar_compiler(vocab_size)
+    compiler = tokenizer.grammar_compiler(vocab_size)
 
     def compile_grammar(kind: str, text: str) -> Any:
         return compiler.compile(GrammarSpec(kind, text))  # type: ignore[arg-type]
 
     return compile_grammar
+
+
+def enable_compile_cache(folder: str) -> str:
+    """Keep XLA's compiled programs on disk (every shape), so a restart warms up from them:
+    under `folder`, unless the environment already named one (JAX_COMPILATION_CACHE_DIR:
+    the container image sets it). Returns the folder in use."""
+    import jax
+
+    current = getattr(jax.config, "jax_compilation_cache_dir", None)
+    if not current:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", folder)
+        current = folder
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    logger.info("compile cache: %s", current)
+    return str(current)
 
 
 def _die_with_parent() -> None:
@@ -164,10 +172,7 @@ def run(config: ProcessConfig) -> int:
         platform = set_backend_flags(os.environ)
         logger.info("XLA flags for %s: %s", platform, os.environ.get("XLA_FLAGS", ""))
         if config.compile_cache_dir:
-            import jax
-
-            jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            enable_compile_cache(config.compile_cache_dir)
         from engine.core.core import EngineCore
         from engine.core.disaggregated import DisaggregatedCore
         from engine.core.loop import CoreLoop
@@ -182,34 +187,37 @@ def run(config: ProcessConfig) -> int:
             leader = Leader.start(
                 config.coordinator_address, config.num_processes, config.distributed_timeout
             )
-            core = leader.build(_core_config(config.core))
+            core = leader.build(config.core)
         elif config.prefill_devices is not None and config.generate_devices is not None:
             core = DisaggregatedCore.build(
-                _core_config(config.core), config.prefill_devices, config.generate_devices
+                config.core, config.prefill_devices, config.generate_devices
             )
         else:
-            core = EngineCore(_core_config(config.core))
+            core = EngineCore(config.core)
         core.warmup()
+        from tokenization import Tokenizer
+
+        # the checkpoint's tokenizer, loaded here once: its EOS ids join the model's (the
+        # core decides EOS), and structured outputs' grammars compile against it
+        tokenizer = Tokenizer.from_folder(Path(core.config.model_path))
         grammar = None
         if config.structured_outputs:
-            grammar = _grammar_compiler(str(core.config.model_path), core.limits.vocab_size)
+            grammar = _grammar_compiler(tokenizer, core.limits.vocab_size)
+        args = (channel.receive, channel.send, grammar, config.fail_after_steps)
+        loop: CoreLoop[Any] = CoreLoop(core, *args, eos_token_ids=tokenizer.eos_token_ids)
         logger.info("engine core: startup heap frozen (%d objects)", freeze_startup_heap())
         channel.send(
             Ready(
                 max_model_len=core.limits.max_model_len,
                 vocab_size=core.limits.vocab_size,
-                eos_token_ids=tuple(sorted(core.eos_token_ids)),
+                eos_token_ids=tuple(sorted(loop.eos_token_ids)),
                 kv_cache_bytes=core.kv_cache_bytes,
                 weight_bytes=core.weight_bytes,
                 num_pages=core.num_pages,
                 page_size=core.page_size,
             )
         )
-        args = (channel.receive, channel.send, grammar, config.fail_after_steps)
-        if isinstance(core, DisaggregatedCore):
-            CoreLoop(core, *args).run()
-        else:
-            CoreLoop(core, *args).run()
+        loop.run()
         if leader is not None:
             leader.stop()
     except SystemExit as exc:

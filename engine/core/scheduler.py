@@ -39,9 +39,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from engine.core.config import SchedulerConfig
 from engine.core.pages import PagePool
 from engine.core.plan import RowWork, StepPlan, StepResult
-from engine.core.sequence import Emitted, SchedulerConfig, Sequence, advance_grammar
+from engine.core.rules import advance_grammar, budget_spent, finish_reason
+from engine.core.sequence import Emitted, SequenceState
 from engine.core.speculation import (
     PAUSE_BELOW,
     RECOVERY,
@@ -74,16 +76,16 @@ class Scheduler:
             )
         self.config = config
         self.pool = pool
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # in admission order
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         # the steps dispatched and not yet updated, oldest first (at most 2: the one the
         # loop waits for, and the one it scheduled ahead)
-        self._inflight: deque[tuple[StepPlan, list[Sequence]]] = deque()
+        self._inflight: deque[tuple[StepPlan, list[SequenceState]]] = deque()
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's)
         self.prefix_hits = 0  # of those, found
         self.preemptions = 0
-        self._handoffs: list[Sequence] = []  # prefill_only: first token sampled, pages held
+        self._handoffs: list[SequenceState] = []  # prefill_only: first token sampled, pages held
         spec = config.speculative
         self.speculator = None
         if spec is not None:
@@ -92,7 +94,7 @@ class Scheduler:
             self.speculator = Speculator(spec, proposer or NgramProposer(spec))
 
     # -- requests -----------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         limit = self.config.max_model_len
         if len(seq.prompt) >= limit:
             raise ValueError(f"prompt of {len(seq.prompt)} tokens leaves no room in {limit}")
@@ -117,7 +119,7 @@ class Scheduler:
         """`adopt` would take a sequence now (given its pages)."""
         return bool(self._free_rows) and not self.waiting
 
-    def adopt(self, seq: Sequence, pages: list[int]) -> bool:
+    def adopt(self, seq: SequenceState, pages: list[int]) -> bool:
         """Run a sequence whose prompt was computed and first token sampled on another
         scheduler (a disaggregated core's prefill set), with its grammar's state and
         tokens, its K/V already copied into `pages` of this pool (held for it): its next
@@ -131,7 +133,7 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def take_handoffs(self) -> list[Sequence]:
+    def take_handoffs(self) -> list[SequenceState]:
         """prefill_only: the sequences whose first token was sampled since the last call,
         out of this scheduler, each still holding its pages (the caller frees them)."""
         out, self._handoffs = self._handoffs, []
@@ -171,8 +173,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks = self.config.max_prefill_seqs
         work: list[RowWork] = []
-        planned: list[Sequence] = []
-        preempt: list[Sequence] | None = None if ahead else planned
+        planned: list[SequenceState] = []
+        preempt: list[SequenceState] | None = None if ahead else planned
         blocked = False
         for seq in list(self.running):  # decode rows first, in admission order
             if self.config.prefill_only:
@@ -263,13 +265,16 @@ class Scheduler:
                     self._hand_off(seq)
         return events
 
-    def _take(self, seq: Sequence, result: StepResult, at: int) -> Emitted:
+    def _take(self, seq: SequenceState, result: StepResult, at: int) -> Emitted:
         """Sample row `at` of the result is seq's next token: append it and say so."""
         token = int(result.tokens[at])
         first = not seq.output
         seq.append(token)
         done, error = advance_grammar(seq, token, self._base(seq))
-        reason = "stop" if done or error is not None else self._finish_reason(seq, token)
+        reason: str | None = "stop"  # a complete or failed grammar ends it
+        stop_reason: int | None = None
+        if not done and error is None:
+            reason, stop_reason = finish_reason(seq, token, self.config.max_model_len)
         top = result.alternatives(at, seq.sampling)
         prompt = None
         if first and seq.prompt_logprobs is not None:
@@ -285,9 +290,12 @@ class Scheduler:
             done=done,
             error=error,
             scheduled=seq.scheduled if first else None,
+            stop_reason=stop_reason,
         )
 
-    def _verify(self, seq: Sequence, work: RowWork, result: StepResult, at: int) -> list[Emitted]:
+    def _verify(
+        self, seq: SequenceState, work: RowWork, result: StepResult, at: int
+    ) -> list[Emitted]:
         """A speculating row: its tokens are the sampled ones up to and including the
         first that differs from its draft; the K/V of the inputs before that one stay,
         the pages past its tokens go back (engine.core.speculation)."""
@@ -311,7 +319,7 @@ class Scheduler:
         self._trim(seq, len(seq.tokens))
         return events
 
-    def _hand_off(self, seq: Sequence) -> None:
+    def _hand_off(self, seq: SequenceState) -> None:
         """Out of running, its row free, its pages still its own (take_handoffs)."""
         self.running.remove(seq)
         if seq.row is not None:
@@ -319,12 +327,12 @@ class Scheduler:
             seq.row = None
         self._handoffs.append(seq)
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: SequenceState) -> None:
         self.running.remove(seq)
         self._release(seq)
 
     def _speculate(
-        self, work: list[RowWork], planned: list[Sequence], budget: int
+        self, work: list[RowWork], planned: list[SequenceState], budget: int
     ) -> list[RowWork]:
         """Drafts for decode rows, in admission order, within the rows and tokens the step
         has left (a full batch has none) and the pages free without preempting anyone;
@@ -367,7 +375,7 @@ class Scheduler:
                 out[i] = replace(work[i], chunk=chunk, drafts=tuple(draft), draft_allowed=masks)
         return out
 
-    def _trim(self, seq: Sequence, positions: int) -> None:
+    def _trim(self, seq: SequenceState, positions: int) -> None:
         """Give back seq's pages past those `positions` need (never a registered one: those
         hold positions it has computed)."""
         keep = -(-positions // self.pool.page_size)
@@ -376,24 +384,16 @@ class Scheduler:
             del seq.pages[keep:]
 
     # -- helpers ------------------------------------------------------------------------
-    def _last_owed(self, seq: Sequence) -> bool:
+    def _last_owed(self, seq: SequenceState) -> bool:
         """The token the step in flight samples for seq ends it by length."""
-        return (
-            len(seq.output) + seq.owed >= seq.max_tokens or seq.length >= self.config.max_model_len
-        )
+        outputs = len(seq.output) + seq.owed
+        return budget_spent(seq, outputs, seq.length, self.config.max_model_len)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in seq.stop_token_ids and len(seq.output) > seq.sampling.min_tokens:
-            return "stop"
-        if len(seq.output) >= seq.max_tokens or len(seq.tokens) >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _base(self, seq: Sequence) -> np.ndarray:
+    def _base(self, seq: SequenceState) -> np.ndarray:
         """allowed_token_ids' mask (every token when it has none)."""
         return token_bitmask(seq.sampling.allowed_token_ids, self.config.vocab_size)
 
-    def _chunk(self, seq: Sequence) -> int:
+    def _chunk(self, seq: SequenceState) -> int:
         """Positions of its prompt the next chunk covers: up to the next multiple of
         chunk_size, not past the prompt; past the prompt (a preempted sequence computing
         its tokens again) one position, fed alone as when the token was sampled."""
@@ -402,7 +402,7 @@ class Scheduler:
             return 1
         return min((start // size + 1) * size, len(seq.prompt)) - start
 
-    def _work(self, seq: Sequence, n: int, fresh: bool = False, carry: int = -1) -> RowWork:
+    def _work(self, seq: SequenceState, n: int, fresh: bool = False, carry: int = -1) -> RowWork:
         """`carry`: seq owes a token (its row of the step in flight): the one to feed."""
         start = seq.next_position
         assert seq.row is not None
@@ -428,7 +428,9 @@ class Scheduler:
             carry=carry,
         )
 
-    def _reserve(self, seq: Sequence, positions: int, planned: list[Sequence] | None) -> bool:
+    def _reserve(
+        self, seq: SequenceState, positions: int, planned: list[SequenceState] | None
+    ) -> bool:
         """Pages for `positions` positions of seq. Given `planned`, it preempts the latest
         admitted sequences not in it (seq itself last) until they fit; None: no preemption.
         False: seq did not get them (and is preempted, if it was the one left)."""
@@ -448,7 +450,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         self.running.remove(seq)  # never one planned this step (see _reserve)
         self._release(seq)
         seq.computed = 0
@@ -458,7 +460,7 @@ class Scheduler:
             seq.prompt_entries = []  # collected again from position 0
         self.waiting.appendleft(seq)
 
-    def _match(self, seq: Sequence) -> None:
+    def _match(self, seq: SequenceState) -> None:
         if seq.computed == 0 and not seq.pages:
             if seq.wants_prompt_logprobs:
                 return  # every prompt position's logits are needed: no hit may skip one
@@ -477,7 +479,7 @@ class Scheduler:
                     self.prefix_queries += len(seq.prompt)
                     self.prefix_hits += seq.computed
 
-    def _unmatch(self, seq: Sequence) -> None:
+    def _unmatch(self, seq: SequenceState) -> None:
         """Undo `_match`: it stays waiting (its lookup counts again when it is admitted)."""
         self._release(seq)
         seq.computed = 0
@@ -488,7 +490,7 @@ class Scheduler:
             self.prefix_hits -= seq.cached_tokens
         seq.cached_tokens = 0
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: SequenceState) -> None:
         if seq.pages:
             self.pool.free(seq.pages)
         seq.pages = []

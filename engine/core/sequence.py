@@ -1,10 +1,9 @@
 """A sequence as the scheduler tracks it, the tokens it emits, and the scheduler's bounds.
 
-Owns nothing shared: a `Sequence` belongs to the one scheduler that holds it (the core
+Owns nothing shared: a `SequenceState` belongs to the one scheduler that holds it (the core
 loop's thread), and moves whole between schedulers when a disaggregated core hands a
 prompt's sequence from its prefill set to its decode set. `Emitted` is the event a
-sampled token becomes; `SchedulerConfig` the bounds a scheduler plans within;
-`advance_grammar` a sequence's structured-output matcher taking its sampled token.
+sampled token becomes.
 """
 
 from __future__ import annotations
@@ -14,19 +13,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.core.speculation import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from engine.core.speculation import MAX_SPECULATIVE_TOKENS
 from engine.types import ConstraintMatcher, SamplingParams, TokenLogprobs
 
 
 @dataclass(eq=False)  # one object per sample: the scheduler's `in` and `remove` compare
-class Sequence:  # identities, never every field of two sequences
+class SequenceState:  # identities, never every field of two sequences
     """One sample being generated, as the scheduler tracks it."""
 
     seq_id: str
     prompt: tuple[int, ...]
     sampling: SamplingParams  # seed set; its constraint, if any, is the grammar
     max_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignored) and the request's
+    stop_token_ids: frozenset[int] = frozenset()  # the request's (stop_reason: the id)
+    eos_token_ids: frozenset[int] = frozenset()  # the model's, unless the request ignores EOS
     prompt_logprobs: int | None = None  # alternatives per prompt position (None: none)
     output: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
@@ -99,52 +99,4 @@ class Emitted:
     done: bool = False  # its grammar is complete with this token
     error: str | None = None  # the sequence failed (its grammar refused); it has ended
     scheduled: float | None = None  # first token only: when its first step began
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    chunk_size: int  # prompt positions per chunk, a multiple of the page size
-    max_prefill_seqs: int = 0  # prompt chunks per step (0: as many as the budget takes)
-    vocab_size: int = 0  # for allowed_token_ids' masks (0: no masks)
-    speculative: SpeculativeConfig | None = None  # drafts for decode rows (None: none)
-    # a disaggregated core's prefill set: prompts only; a sequence leaves for the decode
-    # set once its first token is sampled (Scheduler.take_handoffs)
-    prefill_only: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.chunk_size > self.max_num_batched_tokens:
-            raise ValueError(
-                f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
-                f"{self.max_num_batched_tokens}"
-            )
-        if self.max_prefill_seqs < 0:
-            raise ValueError(f"max_prefill_seqs must be >= 0, got {self.max_prefill_seqs}")
-        if self.prefill_only and self.speculative is not None:
-            raise ValueError("a prefill-only scheduler does not speculate")
-        if self.max_prefill_seqs == 0:
-            self.max_prefill_seqs = self.max_num_batched_tokens
-
-
-def advance_grammar(seq: Sequence, token: int, base: np.ndarray) -> tuple[bool, str | None]:
-    """(grammar complete, why it failed): seq's matcher takes the token, and the mask of
-    its next one is computed within `base` (allowed_token_ids'; an empty mask fails it)."""
-    if seq.matcher is None:
-        return False, None
-    try:
-        if seq.matcher.advance(token):
-            return True, None
-        mask = np.empty_like(base)
-        seq.matcher.fill_mask(mask)
-        mask &= base
-        if not mask.any():
-            raise ValueError("no token the request allows can come next")
-    except ValueError as exc:  # the request's constraint failed, not the core
-        return False, str(exc)
-    seq.mask = mask
-    return False, None
+    stop_reason: int | None = None  # the stop token id that ended it (None: EOS or other)

@@ -11,7 +11,7 @@ import pytest
 
 from engine.checkpoint import load_params
 from engine.config import load_model_config
-from engine.core.scheduler import Sequence
+from engine.core.scheduler import SequenceState
 from engine.types import CheckpointError, SamplingParams
 from tests.engine.conftest import core_of, run_core
 
@@ -21,7 +21,7 @@ PROMPT = [0, 42, 364, 78, 81, 277, 67]
 
 def greedy_tokens(folder: Path, dtype: str = "float32", steps: int = 6) -> list[int]:
     core = core_of(folder, dtype=dtype, max_num_seqs=2, max_model_len=32)
-    events = run_core(core, [Sequence("s", tuple(PROMPT), GREEDY, steps + 1)])["s"]
+    events = run_core(core, [SequenceState("s", tuple(PROMPT), GREEDY, steps + 1)])["s"]
     return [e.token for e in events]
 
 

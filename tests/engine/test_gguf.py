@@ -108,13 +108,13 @@ def test_logits_match_transformers_on_a_quantized_gguf(tiny_checkpoint_of, tmp_p
     loaded from the same Q8_0 file."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from engine.core.scheduler import Sequence
+    from engine.core.scheduler import SequenceState
     from engine.types import SamplingParams
     from tests.engine.conftest import core_of, run_core
 
     file, prepared = gguf_of(tiny_checkpoint_of("llama"), tmp_path, qtype="Q8_0")
     prompt = [0, 42, 364, 78, 81, 277, 67, 72, 326, 223, 163, 124, 257, 502, 315, 249]
-    seq = Sequence(
+    seq = SequenceState(
         "p", tuple(prompt), SamplingParams(temperature=0.0, seed=0), 1, prompt_logprobs=1
     )
     events = run_core(core_of(prepared), [seq])["p"]

@@ -23,7 +23,7 @@ from engine.attention.tpu import PallasAttention
 from engine.checkpoint import load_params
 from engine.config import load_model_config
 from engine.core.core import CoreConfig
-from engine.core.scheduler import Sequence
+from engine.core.scheduler import SequenceState
 from engine.quant import dequantize_weight, param_bytes, quantize_params, quantize_weight
 from engine.quant_eval import QuantError, compare, teacher_forced_logits
 from engine.types import SamplingParams
@@ -132,11 +132,11 @@ def test_greedy_output_is_the_same_alone_as_in_a_batch(
     options = dict(dtype=dtype, quantization=quantization, kv_cache_dtype=kv)
     alone: dict[str, list[tuple[int, float]]] = {}
     for i, prompt in enumerate(PROMPTS):
-        alone |= outputs(core_of(folder, **options), [Sequence(f"s{i}", prompt, GREEDY, 8)])
+        alone |= outputs(core_of(folder, **options), [SequenceState(f"s{i}", prompt, GREEDY, 8)])
     core = core_of(folder, **options)
-    seqs = [Sequence(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
+    seqs = [SequenceState(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
     assert outputs(core, seqs) == alone
-    again = [Sequence(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
+    again = [SequenceState(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
     assert outputs(core, again) == alone  # every prompt's pages from the prefix cache
     assert core.scheduler.prefix_hits > 0
 
@@ -154,14 +154,14 @@ def test_a_mesh_gives_the_tokens_of_one_device(
     a copy with its scales), kv heads replicated past 2 devices: the tokens of 1 device."""
     folder = tiny_checkpoint_of(arch, **overrides)
     options = dict(quantization="int8", kv_cache_dtype="int8")
-    seqs = [Sequence(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
+    seqs = [SequenceState(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
     one = outputs(core_of(folder, **options), seqs)
     core = core_of(folder, tensor_parallel_size=tp, **options)
     layers = core.runner.params["layers"]  # every layer's, stacked on a leading axis
     assert layers["wqkv"].dtype == jnp.int8
     assert layers["wqkv_scale"].sharding.spec == PartitionSpec(None, "model")
     assert layers["wo_scale"].sharding.spec == PartitionSpec(None, None)
-    seqs = [Sequence(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
+    seqs = [SequenceState(f"s{i}", p, GREEDY, 8) for i, p in enumerate(PROMPTS)]
     got = outputs(core, seqs)
     for name in one:
         assert [t for t, _ in got[name]] == [t for t, _ in one[name]], name
@@ -179,8 +179,8 @@ def test_serving_a_quantized_model_after_warmup_compiles_nothing(
     core = core_of(tiny_checkpoint_of("llama"), quantization="int8", kv_cache_dtype="int8")
     core.warmup()
     compile_events.clear()
-    seqs = [Sequence(f"s{i}", p, GREEDY, 12) for i, p in enumerate(PROMPTS)]
-    seqs.append(Sequence("long", tuple(range(3, 80)), GREEDY, 12, prompt_logprobs=2))
+    seqs = [SequenceState(f"s{i}", p, GREEDY, 12) for i, p in enumerate(PROMPTS)]
+    seqs.append(SequenceState("long", tuple(range(3, 80)), GREEDY, 12, prompt_logprobs=2))
     run_core(core, seqs)
     assert compile_events == []
 

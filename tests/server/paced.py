@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.request import (
+from engine.types import EngineLimits, EngineStats
+from frontend.request import (
     ActiveRequest,
     Delta,
     Overloaded,
@@ -22,7 +23,6 @@ from engine.request import (
     RequestStream,
     Unavailable,
 )
-from engine.types import EngineLimits, EngineStats
 from server.backend import Backend
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.request import ActiveRequest, Delta, RequestFailed, RequestStream
 from engine.types import EngineStats
+from frontend.request import ActiveRequest, Delta, RequestFailed, RequestStream
 from server.backend import Backend, ModelLimits
 from tokenization import Tokenizer
 

@@ -19,7 +19,7 @@ import openai
 import pydantic
 import pytest
 
-from engine.request import RequestFailed
+from frontend.request import RequestFailed
 from tests.server.harness import MODEL_NAME, LiveServer, make_config, serve_in_thread
 from tests.server.scripted import TOOL_TEMPLATE, ScriptedEngine, delta, scripted_backend
 from tests.server.test_structured import BUDGET, PERSON, WEATHER

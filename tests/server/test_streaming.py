@@ -1,4 +1,4 @@
-"""server.streaming.EventStream at the ASGI seam: what it sends, and how it ends.
+"""server.streaming.sse_response at the ASGI seam: what it sends, and how it ends.
 
 A real response driven by a scripted ASGI `receive` and a recording `send`; the
 live-server behaviour (pings through uvicorn, disconnects aborting the engine,

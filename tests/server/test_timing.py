@@ -9,7 +9,7 @@ import re
 import httpx
 import openai
 
-from engine.request import RequestTimings
+from frontend.request import RequestTimings
 from tests.server.harness import MODEL_NAME, LiveServer, sse_events
 from tests.server.test_metrics import scrape, value
 

@@ -1,4 +1,5 @@
-"""TextStream: real tokenizers, stop strings spanning tokens, stop token ids."""
+"""TextStream: real tokenizers, stop strings spanning tokens, and the core's verdicts (a
+stop token, EOS, the budget, a complete grammar) applied to the text."""
 
 from __future__ import annotations
 
@@ -16,10 +17,16 @@ PROPERTY = settings(
 )
 
 
-def run(stream: TextStream, ids: list[int]) -> tuple[list[str], str | None, int | None]:
+Verdicts = dict[int, tuple[str, int | None]]  # position -> the core's (finish, stop token)
+
+
+def run(
+    stream: TextStream, ids: list[int], verdicts: Verdicts | None = None
+) -> tuple[list[str], str | None, int | None]:
     deltas: list[str] = []
-    for token_id in ids:
-        step = stream.add(token_id)
+    for i, token_id in enumerate(ids):
+        finish, stop_token = (verdicts or {}).get(i, (None, None))
+        step = stream.add(token_id, finish=finish, stop_token=stop_token)
         deltas.append(step.text)
         if step.finished:
             return deltas, step.stop_str, step.stop_token
@@ -88,9 +95,10 @@ def test_stop_strings_over_real_tokens(any_tokenizer: Tokenizer, data: st.DataOb
 
 
 def test_stop_token_ends_without_its_text(gpt2: Tokenizer):
-    ids = gpt2.encode("Hello wor") + [50256] + gpt2.encode("ld")
+    head = gpt2.encode("Hello wor")
+    ids = head + [50256] + gpt2.encode("ld")
     deltas, stop_str, stop_token = run(
-        TextStream.of(gpt2, stop=["world"], stop_token_ids=[50256]), ids
+        TextStream.of(gpt2, stop=["world"]), ids, {len(head): ("stop", 50256)}
     )
     assert stop_token == 50256 and stop_str is None
     assert "".join(deltas) == "Hello wor"  # the held "wor" is released at the stop token
@@ -99,14 +107,16 @@ def test_stop_token_ends_without_its_text(gpt2: Tokenizer):
 def test_user_stop_token_and_partial_character(gpt2: Tokenizer):
     ids = gpt2.encode("ok 😀")
     stop_id = gpt2.encode(" fine")[0]
-    stream = TextStream.of(gpt2, stop_token_ids=[stop_id])
-    deltas, _, stop_token = run(stream, ids[:-1] + [stop_id, ids[-1]])
+    stream = TextStream.of(gpt2)
+    deltas, _, stop_token = run(
+        stream, ids[:-1] + [stop_id, ids[-1]], {len(ids) - 1: ("stop", stop_id)}
+    )
     assert stop_token == stop_id
     assert "".join(deltas) == gpt2.decode(ids[:-1])
     assert stream.finished and stream.add(ids[-1]).text == ""
 
 
-def test_eos_not_a_stop_when_not_given(gpt2: Tokenizer):
+def test_eos_is_text_unless_the_core_says_stop(gpt2: Tokenizer):
     ids = gpt2.encode("a") + [50256] + gpt2.encode("b")
     deltas, stop_str, stop_token = run(TextStream.of(gpt2), ids)
     assert (stop_str, stop_token) == (None, None)
@@ -134,11 +144,17 @@ def test_include_stop_str_and_prompt_context(sentencepiece: Tokenizer):
 EOS = 50256  # GPT-2's <|endoftext|>, a special token: skipped in text
 
 
-def finish_of(stream: TextStream, ids: list[int]) -> tuple[str, str | None, str | int | None, int]:
-    """(text, finish_reason, stop_reason, tokens consumed), the last id marked `last`."""
+def finish_of(
+    stream: TextStream, ids: list[int], verdicts: Verdicts | None = None
+) -> tuple[str, str | None, str | int | None, int]:
+    """(text, finish_reason, stop_reason, tokens consumed), the last id ending the budget
+    unless `verdicts` end it earlier."""
     text = ""
     for i, token_id in enumerate(ids):
-        step = stream.add(token_id, last=i == len(ids) - 1)
+        finish, stop_token = (verdicts or {}).get(i, (None, None))
+        if i == len(ids) - 1 and finish is None:
+            finish = "length"
+        step = stream.add(token_id, finish=finish, stop_token=stop_token)
         text += step.text
         if step.finished:
             return text, step.finish_reason, step.stop_reason, stream.tokens
@@ -146,22 +162,22 @@ def finish_of(stream: TextStream, ids: list[int]) -> tuple[str, str | None, str 
 
 
 def test_eos_ends_with_stop_and_no_text(gpt2: Tokenizer):
-    ids = gpt2.encode("one two") + [EOS] + gpt2.encode(" three")
-    stream = TextStream.of(gpt2, eos_token_ids=[EOS])
-    assert finish_of(stream, ids) == ("one two", "stop", None, len(ids) - 1)  # EOS counts
+    head = gpt2.encode("one two")
+    ids = head + [EOS] + gpt2.encode(" three")
+    stream = TextStream.of(gpt2)
+    verdict = {len(head): ("stop", None)}
+    assert finish_of(stream, ids, verdict) == ("one two", "stop", None, len(ids) - 1)
 
 
-def test_eos_and_stop_ids_are_text_until_min_tokens(gpt2: Tokenizer):
-    word = gpt2.encode(" x")[0]
-    ids = [word, EOS, word, word, EOS, word]
-    stream = TextStream.of(gpt2, eos_token_ids=[EOS], stop_token_ids=[word], min_tokens=4)
-    # tokens 1-3 cannot stop (the special EOS decodes to nothing); token 4 (a stop id) does
-    assert finish_of(stream, ids) == (" x x", "stop", word, 4)
-
-
-def test_ignore_eos_is_no_eos_ids(gpt2: Tokenizer):
-    ids = gpt2.encode("a") + [EOS] + gpt2.encode("b")
-    assert finish_of(TextStream.of(gpt2), ids) == ("ab", "length", None, 3)
+def test_a_complete_grammar_keeps_its_last_token_text(gpt2: Tokenizer):
+    ids = gpt2.encode('{"a": 1}')
+    stream = TextStream.of(gpt2)
+    text = "".join(stream.add(t).text for t in ids[:-1])
+    last = stream.add(ids[-1], finish="stop", done=True)
+    assert text + last.text == '{"a": 1}' and (last.finish_reason, last.stop_reason) == (
+        "stop",
+        None,
+    )
 
 
 def test_the_last_token_ends_with_length_and_releases_held_text(sentencepiece: Tokenizer):
@@ -174,24 +190,3 @@ def test_a_stop_string_completed_by_the_last_token_wins_over_length(gpt2: Tokeni
     ids = gpt2.encode("say hello world")
     stream = TextStream.of(gpt2, stop=["world"])
     assert finish_of(stream, ids) == ("say hello ", "stop", "world", len(ids))
-
-
-@PROPERTY
-@given(data=st.data())
-def test_every_rule_ends_the_text_where_decode_says(gpt2: Tokenizer, data: st.DataObject):
-    """Random ids with EOS among them, min_tokens and a budget: the text is the decode of
-    the ids before the first token allowed to stop, and the reason is the right one."""
-    words = gpt2.encode(" the cat sat on a mat 日本 👍")
-    ids = data.draw(st.lists(st.sampled_from([*words, EOS]), min_size=1, max_size=30))
-    min_tokens = data.draw(st.integers(0, 8))
-    budget = data.draw(st.integers(1, len(ids)))
-    stream = TextStream.of(gpt2, eos_token_ids=[EOS], min_tokens=min_tokens)
-    text, reason, stop_reason, consumed = finish_of(stream, ids[:budget])
-    stops = [i for i, t in enumerate(ids[:budget]) if t == EOS and i + 1 >= min_tokens]
-    if stops:
-        end = stops[0]
-        assert (reason, stop_reason, consumed) == ("stop", None, end + 1)
-        assert text == gpt2.decode(ids[:end])
-    else:
-        assert (reason, consumed) == ("length", budget)
-        assert text == gpt2.decode(ids[:budget])

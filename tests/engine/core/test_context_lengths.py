@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.core.scheduler import Sequence
+from engine.core.scheduler import SequenceState
 from engine.types import SamplingParams
 from tests.engine.conftest import core_of, run_core
 
@@ -28,7 +28,7 @@ def test_a_context_of_any_length_decodes_to_its_end(tiny_checkpoint_of, max_len)
         chunk_size=256, page_size=16,
     )  # fmt: skip
     prompt = [3 + (7 * i) % 500 for i in range(max_len - TAIL)]
-    events = run_core(core, [Sequence("s", tuple(prompt), GREEDY, 10 * TAIL)])["s"]
+    events = run_core(core, [SequenceState("s", tuple(prompt), GREEDY, 10 * TAIL)])["s"]
     assert len(events) == TAIL and events[-1].finish_reason == "length"
     tokens = [e.token for e in events]
     model = transformers.AutoModelForCausalLM.from_pretrained(

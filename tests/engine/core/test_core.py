@@ -14,7 +14,7 @@ import pytest
 
 from engine.config import load_model_config
 from engine.core.core import CoreConfig, EngineCore, backend_shapes
-from engine.core.scheduler import Emitted, Sequence
+from engine.core.scheduler import Emitted, SequenceState
 from engine.types import SamplingParams
 from tests.engine.conftest import run_core
 
@@ -54,7 +54,7 @@ def greedy_reference(folder, prompt: list[int], count: int) -> list[int]:  # typ
     return tokens[len(prompt) :]
 
 
-def run(core: EngineCore, seqs: list[Sequence]) -> dict[str, list[Emitted]]:
+def run(core: EngineCore, seqs: list[SequenceState]) -> dict[str, list[Emitted]]:
     return run_core(core, seqs, limit=500)
 
 
@@ -70,8 +70,8 @@ def make(folder, **options) -> EngineCore:  # type: ignore[no-untyped-def]
     return EngineCore(CoreConfig(**(config | options)))
 
 
-def seqs_of(ps: list[list[int]], sampling: SamplingParams, max_tokens: int) -> list[Sequence]:
-    return [Sequence(f"s{i}", tuple(p), sampling, max_tokens) for i, p in enumerate(ps)]
+def seqs_of(ps: list[list[int]], sampling: SamplingParams, max_tokens: int) -> list[SequenceState]:
+    return [SequenceState(f"s{i}", tuple(p), sampling, max_tokens) for i, p in enumerate(ps)]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_alone_batched_preempted_and_cached_give_the_same_tokens(folder) -> None
     for sampling in (GREEDY, SEEDED):
         batched = tokens_of(run(make(folder), seqs_of(ps, sampling, 8)))
         for i, p in enumerate(ps):
-            alone = tokens_of(run(make(folder), [Sequence(f"s{i}", tuple(p), sampling, 8)]))
+            alone = tokens_of(run(make(folder), [SequenceState(f"s{i}", tuple(p), sampling, 8)]))
             assert alone[f"s{i}"] == batched[f"s{i}"], (sampling, i)
         # 10 pages of 8 (one max_model_len sequence): some are preempted
         tight = make(folder, num_pages=10, max_model_len=80)
@@ -114,7 +114,7 @@ def logprob_events(
     core: EngineCore, ps: list[list[int]], ids: Iterable[int], sampling: SamplingParams
 ) -> dict[str, list[tuple[int, float]]]:
     """Prompts `ids` of `ps` run together: each one's (token, logprob) pairs."""
-    seqs = [Sequence(f"s{i}", tuple(ps[i]), sampling, 6) for i in ids]
+    seqs = [SequenceState(f"s{i}", tuple(ps[i]), sampling, 6) for i in ids]
     return {k: [(e.token, e.logprob) for e in v] for k, v in run(core, seqs).items()}
 
 
@@ -147,7 +147,7 @@ def test_a_prefix_hit_gives_the_logprob_bits_of_none(folder) -> None:  # type: i
         fresh = logprob_events(make(folder), ps, range(4), sampling)
         core = make(folder)
         logprob_events(core, ps, range(4), sampling)  # their blocks are cached now
-        seqs = [Sequence(f"s{i}", tuple(p), sampling, 6) for i, p in enumerate(ps)]
+        seqs = [SequenceState(f"s{i}", tuple(p), sampling, 6) for i, p in enumerate(ps)]
         again = {k: [(e.token, e.logprob) for e in v] for k, v in run(core, seqs).items()}
         assert again == fresh, sampling
         assert [s.cached_tokens for s in seqs] == [32, 32, 40, 16]
@@ -176,12 +176,12 @@ def test_stop_tokens_max_tokens_and_abort(folder) -> None:  # type: ignore[no-un
     core = make(folder)
     p = prompts(core.model_config.vocab_size)[1]
     free = greedy_reference(folder, p, 5)
-    stop = Sequence("stop", tuple(p), GREEDY, 50, stop_token_ids=frozenset({free[2]}))
+    stop = SequenceState("stop", tuple(p), GREEDY, 50, stop_token_ids=frozenset({free[2]}))
     events = run(core, [stop])["stop"]
     assert [e.token for e in events] == free[:3] and events[-1].finish_reason == "stop"
-    length = run(core, [Sequence("len", tuple(p), GREEDY, 4)])["len"]
+    length = run(core, [SequenceState("len", tuple(p), GREEDY, 4)])["len"]
     assert [e.finish_reason for e in length] == [None, None, None, "length"]
-    core.add(Sequence("gone", tuple(p), GREEDY, 50))
+    core.add(SequenceState("gone", tuple(p), GREEDY, 50))
     core.step()
     assert core.abort("gone") and not core.abort("gone")
     assert core.page_stats().free == core.page_stats().total
@@ -191,7 +191,9 @@ def test_prompt_logprobs_in_chunks_beside_decode_rows(folder) -> None:  # type: 
     core = make(folder)
     ps = prompts(core.model_config.vocab_size)
     long = ps[4]  # 64 tokens: four chunks of 16
-    seqs = seqs_of(ps[:2], GREEDY, 12) + [Sequence("lp", tuple(long), GREEDY, 2, prompt_logprobs=3)]
+    seqs = seqs_of(ps[:2], GREEDY, 12) + [
+        SequenceState("lp", tuple(long), GREEDY, 2, prompt_logprobs=3)
+    ]
     events = run(core, seqs)["lp"]
     entries = events[0].prompt_logprobs
     assert entries is not None and events[1].prompt_logprobs is None
@@ -203,7 +205,7 @@ def test_prompt_logprobs_in_chunks_beside_decode_rows(folder) -> None:  # type: 
         best = np.argsort(-want[p - 1])[:3]
         assert [t for t, _ in entry.top] == best.tolist(), p
     # a prompt-logprobs sequence takes nothing from the prefix cache: every position is run
-    again = Sequence("again", tuple(long), GREEDY, 2, prompt_logprobs=0)
+    again = SequenceState("again", tuple(long), GREEDY, 2, prompt_logprobs=0)
     (first, *_) = run(core, [again])["again"]
     assert again.cached_tokens == 0 and first.prompt_logprobs is not None
     assert [e.token_id for e in first.prompt_logprobs[1:]] == long[1:]  # type: ignore[union-attr]
@@ -250,7 +252,7 @@ def test_a_grammar_masks_every_token_and_ends_the_sample(folder) -> None:  # typ
     vocab = core.model_config.vocab_size
     ps = prompts(vocab)
     constrained = replace(SEEDED, constraint=Only([11, 12, 13], 5, vocab))
-    seqs = seqs_of(ps[:3], GREEDY, 8) + [Sequence("g", tuple(ps[3]), constrained, 50)]
+    seqs = seqs_of(ps[:3], GREEDY, 8) + [SequenceState("g", tuple(ps[3]), constrained, 50)]
     events = run(core, seqs)
     tokens = [e.token for e in events["g"]]
     assert len(tokens) == 5 and set(tokens) <= {11, 12, 13}
@@ -295,7 +297,7 @@ def test_a_prompt_chunk_runs_beside_every_decode_row(folder) -> None:  # type: i
         core.add(seq)
     while any(len(s.output) == 0 for s in core.scheduler.running) or core.scheduler.waiting:
         core.step()
-    core.add(Sequence("long", tuple(range(3, 60)), GREEDY, 2))
+    core.add(SequenceState("long", tuple(range(3, 60)), GREEDY, 2))
     plan = core.scheduler.schedule()
     assert plan is not None
     decodes = [r for r in plan.rows if len(r.chunk.tokens) == 1 and r.emits]
@@ -309,13 +311,13 @@ def test_penalties_read_their_own_sequences_counts(folder) -> None:  # type: ign
     ps = prompts(load_model_config(folder).vocab_size)
     penalized = SamplingParams(temperature=0.0, seed=0, frequency_penalty=2.0, presence_penalty=1.0)
 
-    def tokens(seqs: list[Sequence]) -> list[int]:
+    def tokens(seqs: list[SequenceState]) -> list[int]:
         return tokens_of(run(make(folder), seqs))["p"]
 
-    alone = tokens([Sequence("p", tuple(ps[1]), penalized, 12)])
-    assert alone != tokens([Sequence("p", tuple(ps[1]), GREEDY, 12)])  # the penalty matters
+    alone = tokens([SequenceState("p", tuple(ps[1]), penalized, 12)])
+    assert alone != tokens([SequenceState("p", tuple(ps[1]), GREEDY, 12)])  # the penalty matters
     others = seqs_of(ps[2:5], GREEDY, 12)
-    assert tokens([*others, Sequence("p", tuple(ps[1]), penalized, 12)]) == alone
+    assert tokens([*others, SequenceState("p", tuple(ps[1]), penalized, 12)]) == alone
 
 
 def test_a_row_taken_over_samples_with_its_new_sequences_parameters(folder) -> None:  # type: ignore[no-untyped-def]
@@ -324,11 +326,13 @@ def test_a_row_taken_over_samples_with_its_new_sequences_parameters(folder) -> N
     ones): the penalized one gets the tokens it gets in a core of its own."""
     ps = prompts(load_model_config(folder).vocab_size)
     penalized = SamplingParams(temperature=0.0, seed=0, frequency_penalty=2.0, presence_penalty=1.0)
-    alone = tokens_of(run(make(folder), [Sequence("p", tuple(ps[1]), penalized, 12)]))["p"]
-    assert alone != tokens_of(run(make(folder), [Sequence("p", tuple(ps[1]), GREEDY, 12)]))["p"]
-    first = Sequence("g", tuple(ps[2]), GREEDY, 12)
+    alone = tokens_of(run(make(folder), [SequenceState("p", tuple(ps[1]), penalized, 12)]))["p"]
+    assert (
+        alone != tokens_of(run(make(folder), [SequenceState("p", tuple(ps[1]), GREEDY, 12)]))["p"]
+    )
+    first = SequenceState("g", tuple(ps[2]), GREEDY, 12)
     after = tokens_of(
-        run(make(folder, max_num_seqs=1), [first, Sequence("p", tuple(ps[1]), penalized, 12)])
+        run(make(folder, max_num_seqs=1), [first, SequenceState("p", tuple(ps[1]), penalized, 12)])
     )
     assert after["p"] == alone
 

@@ -16,7 +16,7 @@ from engine.config import load_model_config
 from engine.core.core import CoreConfig
 from engine.core.disaggregated import DisaggregatedCore
 from engine.core.messages import Abort, Grammar
-from engine.core.sequence import Sequence
+from engine.core.sequence import SequenceState
 from engine.types import SamplingParams
 from tests.engine.core.test_core import Only
 from tests.engine.core.test_loop import (
@@ -94,7 +94,7 @@ def test_a_grammar_preemption_and_an_abort_across_the_sets(folder) -> None:  # t
     only = Only([11, 12, 13], 6, vocab)
     script: Script = {
         0: [request(k, ps[i], SEEDED, 24) for i, k in enumerate("abc")],
-        1: [request("g", ps[3], GREEDY, 50, grammar=Grammar("regex", "x"))],
+        1: [request("g", ps[3], GREEDY, 30, grammar=Grammar("regex", "x"))],  # fits 64
         4: [request("d", ps[4], GREEDY, 24)],
         6: [Abort((("b", 0),))],
     }
@@ -137,7 +137,7 @@ def test_an_abort_while_waiting_for_a_decode_row(folder) -> None:  # type: ignor
     vocab = load_model_config(folder).vocab_size
     core = split(folder)
     for i, prompt in enumerate(prompts(vocab)):
-        core.add(Sequence(f"s{i}", tuple(prompt), GREEDY, 30))
+        core.add(SequenceState(f"s{i}", tuple(prompt), GREEDY, 30))
     emitted: dict[str, list[int]] = {}
     while not core.handing_over:
         pending = core.launch()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.core.scheduler import Sequence
+from engine.core.scheduler import SequenceState
 from engine.types import SamplingParams
 from tests.engine.conftest import core_of, run_core
 
@@ -16,7 +16,7 @@ STEPS = 9
 
 
 def tokens(folder, sampling: SamplingParams, prompt=PROMPT) -> list[int]:  # type: ignore[no-untyped-def]
-    events = run_core(core_of(folder), [Sequence("s", prompt, sampling, STEPS)])["s"]
+    events = run_core(core_of(folder), [SequenceState("s", prompt, sampling, STEPS)])["s"]
     return [e.token for e in events]
 
 
@@ -56,7 +56,7 @@ def test_sequences_without_bias_or_mask_keep_their_bits_beside_those_with_them(
 
     def batch(third: SamplingParams, fourth: SamplingParams) -> dict[str, list]:  # type: ignore[type-arg]
         seqs = [
-            Sequence(f"s{i}", p, s, STEPS)
+            SequenceState(f"s{i}", p, s, STEPS)
             for i, (p, s) in enumerate(zip(prompts, (*plain, third, fourth), strict=True))
         ]
         return run_core(core_of(folder), seqs)

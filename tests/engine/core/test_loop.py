@@ -90,7 +90,8 @@ def request(
     **options,  # type: ignore[no-untyped-def]
 ) -> AddRequest:
     samples = tuple(Sample.of(replace(sampling, seed=(sampling.seed or 0) + i)) for i in range(n))
-    return AddRequest(rid, tuple(prompt), samples, max_tokens, **({"stop_token_ids": ()} | options))
+    options = {"stop_token_ids": (), "ignore_eos": True} | options  # no EOS: the ids it is given
+    return AddRequest(rid, tuple(prompt), samples, max_tokens, **options)
 
 
 def prompts(vocab: int, count: int = 8) -> list[list[int]]:
@@ -143,7 +144,7 @@ def test_preemption_a_grammar_and_an_abort_with_one_step_in_flight(folder) -> No
     def run(ahead: bool, abort: bool) -> tuple[Got, CoreLoop, EngineCore]:
         script: Script = {
             0: [request(k, ps[i], SEEDED, 24) for i, k in enumerate("abc")],
-            1: [request("g", ps[3], GREEDY, 50, grammar=Grammar("regex", "x"))],
+            1: [request("g", ps[3], GREEDY, 30, grammar=Grammar("regex", "x"))],  # fits 64
             4: [request("d", ps[4], GREEDY, 24)],
         }
         if abort:

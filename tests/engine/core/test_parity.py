@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.core.core import CoreConfig, EngineCore
-from engine.core.scheduler import Emitted, Sequence
+from engine.core.scheduler import Emitted, SequenceState
 from engine.types import SamplingParams
 
 torch = pytest.importorskip("torch")
@@ -33,7 +33,7 @@ def hf_logprobs(folder: Path, tokens: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, dim=-1).numpy()
 
 
-def run(core: EngineCore, seq: Sequence) -> list[Emitted]:
+def run(core: EngineCore, seq: SequenceState) -> list[Emitted]:
     core.add(seq)
     out: list[Emitted] = []
     while core.scheduler.busy:
@@ -67,7 +67,7 @@ def check(events: list[Emitted], prompt: list[int], want: np.ndarray, tol: float
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_logprobs_and_greedy_decoding_match_transformers(arch, tiny_checkpoint_of):
     folder = tiny_checkpoint_of(arch)
-    events = run(core_of(folder), Sequence("p", tuple(PROMPT), GREEDY, 8, prompt_logprobs=5))
+    events = run(core_of(folder), SequenceState("p", tuple(PROMPT), GREEDY, 8, prompt_logprobs=5))
     tokens = PROMPT + [e.token for e in events]
     check(events, PROMPT, hf_logprobs(folder, tokens[:-1]), F32_TOL)
 
@@ -81,7 +81,7 @@ def test_a_long_prompt_across_chunks_and_pages_matches_transformers(dtype, tiny_
     core = core_of(folder, dtype=dtype, max_model_len=512)
     # on CPU bfloat16 pages are kept as their bits (KVLayout.bits): read back the same
     assert core.runner.pages.dtype == {"float32": "float32", "bfloat16": "uint16"}[dtype]
-    events = run(core, Sequence("p", tuple(prompt), GREEDY, 8, prompt_logprobs=5))
+    events = run(core, SequenceState("p", tuple(prompt), GREEDY, 8, prompt_logprobs=5))
     tokens = prompt + [e.token for e in events]
     want = hf_logprobs(folder, tokens[:-1])
     if dtype == "float32":

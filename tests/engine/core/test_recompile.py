@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.core.core import CoreConfig, EngineCore
-from engine.core.scheduler import Sequence
+from engine.core.scheduler import SequenceState
 from engine.types import SamplingParams
 from tests.engine.core.test_core import Only
 
@@ -78,7 +78,9 @@ def test_serving_after_warmup_compiles_nothing(
     for length in (1, 5, 17, 40, 70):  # one chunk, several, beside decode rows
         for i, sampling in enumerate(samplings):
             prompt = tuple(rng.integers(3, vocab, length).tolist())
-            core.add(Sequence(f"{length}-{i}", prompt, sampling, 12, prompt_logprobs=i % 2 or None))
+            core.add(
+                SequenceState(f"{length}-{i}", prompt, sampling, 12, prompt_logprobs=i % 2 or None)
+            )
     while core.scheduler.busy:
         core.step()
     assert core.scheduler.preemptions > 0  # 14 pages for 4 rows: rebuilt counts ran too

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.core.pages import PagePool
 from engine.core.runner import StepPlan, StepResult
-from engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from engine.core.scheduler import Scheduler, SchedulerConfig, SequenceState
 from engine.core.speculation import SpeculativeConfig
 from engine.types import MAX_LOGPROBS, SamplingParams
 
@@ -106,7 +106,7 @@ def test_random_workloads_end_with_their_own_tokens(
         for i, (prompt, n, at, abort) in enumerate(reqs):
             name = f"r{i}"
             if at == step:
-                scheduler.add(Sequence(name, tuple(prompt), GREEDY, n))
+                scheduler.add(SequenceState(name, tuple(prompt), GREEDY, n))
                 got[name] = []
             if abort and at + 2 == step and name not in aborted:
                 aborted.add(name)
@@ -148,7 +148,7 @@ def test_two_long_prompts_that_cannot_both_fit_do_not_deadlock() -> None:
     scheduler, runner = Scheduler(SchedulerConfig(2, 16, 56, 8, 2, VOCAB), pool), FakeRunner()
     prompts = [list(range(1, 41)), list(range(41, 81))]
     for i, prompt in enumerate(prompts):
-        scheduler.add(Sequence(f"r{i}", tuple(prompt), GREEDY, 6))
+        scheduler.add(SequenceState(f"r{i}", tuple(prompt), GREEDY, 6))
     got: dict[str, list[int]] = {"r0": [], "r1": []}
     for _ in range(200):
         plan = scheduler.schedule()

@@ -13,7 +13,7 @@ import pytest
 
 from engine.core.pages import PagePool
 from engine.core.runner import StepPlan, StepResult
-from engine.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from engine.core.scheduler import Scheduler, SchedulerConfig, SequenceState
 from engine.core.speculation import SpeculativeConfig, propose_ngram
 from engine.types import SamplingParams
 from tests.engine.conftest import core_of, run_core
@@ -105,7 +105,7 @@ class FakeRunner:
 
 def run(
     spec: str | None,
-    seqs: list[Sequence],
+    seqs: list[SequenceState],
     runner: FakeRunner,
     *,
     max_num_seqs: int = 8,
@@ -127,8 +127,8 @@ def run(
 
 
 def test_accepted_drafts_take_fewer_steps_for_the_same_tokens() -> None:
-    def seqs() -> list[Sequence]:
-        return [Sequence("a", (1, 2, 3), GREEDY, 40)]
+    def seqs() -> list[SequenceState]:
+        return [SequenceState("a", (1, 2, 3), GREEDY, 40)]
 
     plain_runner, spec_runner = FakeRunner(), FakeRunner()
     plain, _ = run(None, seqs(), plain_runner)
@@ -140,7 +140,7 @@ def test_accepted_drafts_take_fewer_steps_for_the_same_tokens() -> None:
 
 
 def test_a_full_batch_proposes_nothing() -> None:
-    seqs = [Sequence(f"s{i}", (i + 1, i + 2), GREEDY, 20) for i in range(4)]
+    seqs = [SequenceState(f"s{i}", (i + 1, i + 2), GREEDY, 20) for i in range(4)]
     out, scheduler = run(NGRAM, seqs, FakeRunner(), max_num_seqs=4)
     assert scheduler.speculator.counters.drafts == 0  # type: ignore[union-attr]
     assert all(len(tokens) == 20 for tokens in out.values())
@@ -151,7 +151,7 @@ def test_rejected_drafts_back_off_to_a_probe_every_few_steps() -> None:
     token about every fifth step (and keeps trying)."""
     distribution = np.full((VOCAB, VOCAB), 1.0 / VOCAB)
     runner = FakeRunner(distribution)
-    seq = Sequence("a", (1, 2, 1, 2, 1, 2, 1, 2), SamplingParams(temperature=1.0, seed=3), 120)
+    seq = SequenceState("a", (1, 2, 1, 2, 1, 2, 1, 2), SamplingParams(temperature=1.0, seed=3), 120)
     _, scheduler = run(NGRAM, [seq], runner)
     counters = scheduler.speculator.counters  # type: ignore[union-attr]
     assert 10 < counters.drafts < runner.steps / 3
@@ -175,9 +175,11 @@ def test_seeded_samples_follow_the_target_distribution() -> None:
         distribution[last, (last * 7 + 3) % VOCAB] += 0.6
         distribution[last] /= distribution[last].sum()
 
-    def samples() -> list[Sequence]:
+    def samples() -> list[SequenceState]:
         return [
-            Sequence(f"s{i}", (1, 10, 8, 7, 1, 10), SamplingParams(temperature=1.0, seed=i), 24)
+            SequenceState(
+                f"s{i}", (1, 10, 8, 7, 1, 10), SamplingParams(temperature=1.0, seed=i), 24
+            )
             for i in range(400)
         ]
 
@@ -238,13 +240,13 @@ def test_greedy_and_seeded_output_is_the_same_with_speculation(tiny_checkpoint: 
     seeded = SamplingParams(temperature=0.8, seed=7, logprobs=2)
     penalized = SamplingParams(temperature=0.0, seed=0, presence_penalty=0.5)
 
-    def seqs() -> list[Sequence]:
-        out = [Sequence(f"g{i}", tuple(range(3 + i, 40 + i)), GREEDY, 70) for i in range(4)]
+    def seqs() -> list[SequenceState]:
+        out = [SequenceState(f"g{i}", tuple(range(3 + i, 40 + i)), GREEDY, 70) for i in range(4)]
         out += [
-            Sequence("seeded", tuple(range(9, 30)), seeded, 50),
-            Sequence("stop", tuple(range(3, 40)), GREEDY, 70, stop_token_ids=frozenset({57})),
-            Sequence("penalty", tuple(range(5, 30)), penalized, 30),
-            Sequence("short", tuple(range(3, 40)), GREEDY, 3),
+            SequenceState("seeded", tuple(range(9, 30)), seeded, 50),
+            SequenceState("stop", tuple(range(3, 40)), GREEDY, 70, stop_token_ids=frozenset({57})),
+            SequenceState("penalty", tuple(range(5, 30)), penalized, 30),
+            SequenceState("short", tuple(range(3, 40)), GREEDY, 3),
         ]
         return out
 
@@ -262,7 +264,7 @@ def test_greedy_and_seeded_output_is_the_same_with_speculation(tiny_checkpoint: 
 
 def test_an_aborted_speculating_sequence_gives_its_pages_back(tiny_checkpoint: Path) -> None:
     core = core_of(tiny_checkpoint, max_num_seqs=8, speculative_config=NGRAM)
-    core.add(Sequence("a", tuple(range(3, 40)), GREEDY, 100))
+    core.add(SequenceState("a", tuple(range(3, 40)), GREEDY, 100))
     for _ in range(30):
         core.step()
     assert core.scheduler.speculator.counters.drafts > 0
@@ -281,8 +283,8 @@ def test_the_target_as_its_own_draft_is_always_right(tiny_checkpoint: Path) -> N
     time and again through the prefix cache (the draft's K/V in cached pages is right),
     and the output is the output without speculation."""
 
-    def seqs() -> list[Sequence]:
-        return [Sequence(f"g{i}", tuple(range(3 + i, 40 + i)), GREEDY, 40) for i in range(3)]
+    def seqs() -> list[SequenceState]:
+        return [SequenceState(f"g{i}", tuple(range(3 + i, 40 + i)), GREEDY, 40) for i in range(3)]
 
     plain = core_of(tiny_checkpoint, max_num_seqs=16)
     spec = core_of(
@@ -304,9 +306,9 @@ def test_another_draft_model_changes_no_token(tiny_checkpoint_of) -> None:  # ty
     draft = tiny_checkpoint_of(seed=1, num_hidden_layers=1)
     seeded = SamplingParams(temperature=0.8, seed=7, logprobs=2)
 
-    def seqs() -> list[Sequence]:
+    def seqs() -> list[SequenceState]:
         return [
-            Sequence(f"s{i}", tuple(range(3 + i, 40 + i)), GREEDY if i % 2 else seeded, 40)
+            SequenceState(f"s{i}", tuple(range(3 + i, 40 + i)), GREEDY if i % 2 else seeded, 40)
             for i in range(8)
         ]
 
@@ -334,10 +336,10 @@ def test_speculation_on_a_quantized_model_changes_no_token(
     config = NGRAM if method == "ngram" else draft_config(tiny_checkpoint)
     quant = {"quantization": "int8", "kv_cache_dtype": "int8", "max_num_seqs": 16}
 
-    def seqs() -> list[Sequence]:
+    def seqs() -> list[SequenceState]:
         seeded = SamplingParams(temperature=0.8, seed=7, logprobs=2)
         return [
-            Sequence(f"s{i}", tuple(range(3 + i, 40 + i)), GREEDY if i % 2 else seeded, 40)
+            SequenceState(f"s{i}", tuple(range(3 + i, 40 + i)), GREEDY if i % 2 else seeded, 40)
             for i in range(4)
         ]
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 
 from engine.checkpoint import load_params
 from engine.config import load_model_config, tensor_parallel
-from engine.core.scheduler import Sequence
+from engine.core.scheduler import SequenceState
 from engine.types import SamplingParams
 from tests.engine.conftest import core_of, run_core
 from tests.engine.core.test_recompile import compile_events  # noqa: F401
@@ -35,7 +35,8 @@ CASES = {
 
 def run(folder: Path, tp: int) -> dict[str, list[tuple[int, float]]]:
     seqs = [
-        Sequence(f"s{i}", p, GREEDY if i % 2 == 0 else SEEDED, STEPS) for i, p in enumerate(PROMPTS)
+        SequenceState(f"s{i}", p, GREEDY if i % 2 == 0 else SEEDED, STEPS)
+        for i, p in enumerate(PROMPTS)
     ]
     events = run_core(core_of(folder, tensor_parallel_size=tp), seqs)
     return {k: [(e.token, e.logprob) for e in v] for k, v in events.items()}
@@ -120,7 +121,7 @@ def test_no_compile_after_warmup_on_two_devices(tiny_checkpoint_of, compile_even
     core.warmup()
     compile_events.clear()
     seqs = [
-        Sequence(f"s{n}", tuple((5 * i) % 500 for i in range(n)), SEEDED, 6, prompt_logprobs=1)
+        SequenceState(f"s{n}", tuple((5 * i) % 500 for i in range(n)), SEEDED, 6, prompt_logprobs=1)
         for n in (1, 7, 17, 40, 63)
     ]
     run_core(core, seqs)

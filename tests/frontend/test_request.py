@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from engine.request import Delta, RequestStream, Wakeups
+from frontend.request import Delta, RequestStream, Wakeups
 
 
 def delta(index: int, text: str) -> Delta:

@@ -1,18 +1,20 @@
-"""Each sample's text path, as the engine client runs it: the seam to tokenization.
+"""Each sample's text path, as the output processor runs it: the seam to tokenization.
 
-Owns: the `TextStream` protocol (one sample's detokenizer, stop strings, stop tokens and
-budget: tokenization.stream.TextStream implements it) and `text_streams`, the factory the
-server builds once from its tokenizer. Receives a request and one sample's sampling;
-emits a fresh text stream for that sample.
+Owns: the `TextStream` protocol (one sample's detokenizer, stop strings and the release
+of held text: tokenization.stream.TextStream implements it) and `text_streams`, the
+factory the server builds once from its tokenizer. Receives a request and one sample's
+sampling; emits a fresh text stream for that sample. Every token rule (EOS, stop ids,
+min_tokens, the budget, grammar completion) is the core's: a text stream is told its
+verdict with each token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Protocol
 
-from engine.request import ActiveRequest
 from engine.types import SamplingParams
+from frontend.request import ActiveRequest
 
 
 class Detokenizer(Protocol):
@@ -30,32 +32,32 @@ class TextStep(Protocol):
 
 
 class TextStream(Protocol):
-    """One sample's text path (tokenization.TextStream): every rule that ends a sample."""
+    """One sample's text path (tokenization.TextStream): stop strings and held text."""
 
     tokens: int  # tokens consumed so far
 
-    def add(self, token_id: int, *, last: bool = False, done: bool = False) -> TextStep: ...
+    def add(
+        self,
+        token_id: int,
+        *,
+        finish: str | None = None,
+        done: bool = False,
+        stop_token: int | None = None,
+    ) -> TextStep: ...
 
 
 TextStreamFactory = Callable[[ActiveRequest, SamplingParams], TextStream]
 DetokenizerFactory = Callable[[tuple[int, ...], bool], Detokenizer]  # (prompt ids, skip special)
 
 
-def text_streams(
-    new_detokenizer: DetokenizerFactory, eos_token_ids: Collection[int]
-) -> TextStreamFactory:
-    """A factory of tokenization.TextStream over `new_detokenizer`, with these EOS ids."""
+def text_streams(new_detokenizer: DetokenizerFactory) -> TextStreamFactory:
+    """A factory of tokenization.TextStream over `new_detokenizer`."""
     from tokenization.stream import TextStream as Stream
-
-    eos = frozenset(eos_token_ids)
 
     def new(request: ActiveRequest, sampling: SamplingParams) -> TextStream:
         stream: TextStream = Stream(
             new_detokenizer(request.prompt_ids, request.skip_special_tokens),
             stop=request.stop,
-            stop_token_ids=request.stop_token_ids,
-            eos_token_ids=() if request.ignore_eos else eos,
-            min_tokens=sampling.min_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
         )
         return stream

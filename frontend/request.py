@@ -1,18 +1,18 @@
-"""What a caller hands the orchestrator and what it gets back.
+"""What the server hands the engine client and what it gets back.
 
-`ActiveRequest` goes in through `Orchestrator.submit`; a `RequestStream` comes
-back and yields `Delta`s, in order, until all n samples have finished. Stage
-threads push into the stream; the consumer iterates it either from asyncio
-(`async for`, woken with `loop.call_soon_threadsafe`) or from a plain thread
-(`for`). A stream is closed exactly once: finished, aborted, or failed.
+`ActiveRequest` goes in through `EngineClient.submit`; a `RequestStream` comes back
+and yields `Delta`s, in order, until all n samples have finished. The output
+processor (frontend.output, on the receiver thread) pushes into the stream; the
+consumer iterates it either from asyncio (`async for`, woken with
+`loop.call_soon_threadsafe`) or from a plain thread (`for`). A stream is closed
+exactly once: finished, aborted, or failed. Owns: these types and the errors a submit
+or a stream raises (the server maps each to its HTTP status).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import secrets
 import threading
 import time
 from collections import deque
@@ -32,11 +32,11 @@ class Overloaded(EngineError):
 
 
 class Unavailable(EngineError):
-    """The orchestrator is dead, draining or stopped (HTTP 503)."""
+    """The engine core is dead, not ready, draining or stopped (HTTP 503)."""
 
 
 class RequestFailed(EngineError):
-    """An open request failed because a stage died or the server shut down before it ended."""
+    """An open request failed because the core died or the server shut down before it ended."""
 
 
 class RequestRejected(RequestFailed):
@@ -49,7 +49,7 @@ class ActiveRequest:
 
     request_id: str
     prompt_ids: tuple[int, ...]
-    sampling: SamplingParams  # seed None -> the orchestrator draws a fresh one
+    sampling: SamplingParams  # seed None -> the input step draws a fresh one (frontend.input)
     max_tokens: int | None = 16  # None: until the context (max_model_len) is full
     n: int = 1
     stop: tuple[str, ...] = ()
@@ -79,20 +79,6 @@ class ActiveRequest:
             raise ValueError(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {k}")
 
 
-SEED_STRIDE = 1_000_003  # seeds of samples 1..n-1: request seed + index * stride, wrapped
-
-
-def sample_samplings(request: ActiveRequest) -> tuple[SamplingParams, ...]:
-    """Each of the request's n samples' sampling, seeded: a request without a seed draws
-    one; sample i takes seed + i * SEED_STRIDE, kept in the signed 64-bit range."""
-    sampling = request.sampling
-    seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-    return tuple(
-        dataclasses.replace(sampling, seed=(seed + i * SEED_STRIDE + 2**63) % 2**64 - 2**63)
-        for i in range(request.n)
-    )
-
-
 @dataclass(frozen=True)
 class Delta:
     """New output of one sample: text after stop-string hold-back, and the tokens it covers."""
@@ -107,14 +93,14 @@ class Delta:
     completion_tokens: int  # cumulative for this sample
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # first delta only
     cached_tokens: int = 0  # prompt positions the engine took from its prefix cache
-    emitted: float = 0.0  # time.monotonic() when the detokenize stage pushed it
+    emitted: float = 0.0  # time.monotonic() when the output processor pushed it
 
 
 @dataclass
 class RequestTimings:
     """Lifetime events of one request in time.monotonic() seconds; None until they happen.
 
-    Written by the engine client's receiver thread as the core's outputs arrive (the core
+    Written by the output processor (the receiver thread) as the core's outputs arrive (the core
     stamps when it first schedules the request), read by anyone after the stream ended.
     """
 
@@ -164,11 +150,10 @@ class _Closed:
 
 
 class RequestStream:
-    """Ordered deltas of one request, pushed by stage threads, read by one consumer.
+    """Ordered deltas of one request, pushed by the output processor, read by one consumer.
 
-    Thread-safe: `push` and `close` may be called from any thread; the first
-    close wins and later pushes are dropped, so a failing stage and the
-    detokenize stage can race without harm.
+    Thread-safe: `push` and `close` may be called from any thread; the first close wins
+    and later pushes are dropped, so a failure and the receiver can race without harm.
     """
 
     def __init__(self, request_id: str, n: int = 1):
@@ -184,14 +169,6 @@ class RequestStream:
     def finished(self) -> bool:
         """True once no more deltas will be added (finished, aborted or failed)."""
         return self._closed is not None
-
-    @property
-    def aborted(self) -> bool:
-        return self._closed is not None and self._closed.aborted
-
-    @property
-    def error(self) -> RequestFailed | None:
-        return None if self._closed is None else self._closed.error
 
     def push(self, delta: Delta, wakeups: Wakeups | None = None) -> bool:
         """Append a delta; False when the stream is already closed. With `wakeups`, an
@@ -252,17 +229,6 @@ class RequestStream:
                 await future
             else:
                 yield item
-
-    def collect(self, timeout: float | None = None) -> list[Delta]:
-        """Block until the stream ends and return all its deltas (tests, sync callers)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._closed is None:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"request {self.request_id} did not end in {timeout} s")
-                self._cond.wait(remaining)
-        return list(self)
 
     def _raise_if_failed(self) -> None:
         closed = self._closed

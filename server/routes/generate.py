@@ -1,0 +1,153 @@
+"""The generation endpoints: /v1/completions, /v1/chat/completions (and vLLM's /batch),
+/v1/responses, and SageMaker's /invocations (a chat or a completion body, told apart by
+its shape as vLLM does).
+
+Receives a validated request body; plans it off the event loop (server.params,
+server.chat, server.responses), runs it as one Generation (or a beam search) and emits
+one JSON body or a server-sent event stream.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from server import beam, chat, completions, responses
+from server.backend import Backend
+from server.errors import bad_request, validation_error
+from server.generation import Generation, Shaper, log_of, until_disconnect
+from server.jsonbody import StrictJSONRoute
+from server.params import GenerationPlan, plan_completion
+from server.protocol import (
+    BatchChatCompletionRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+)
+from server.routes import Served, served
+from server.streaming import sse_response
+from server.timing import server_timing
+
+router = APIRouter(route_class=StrictJSONRoute)
+App = Annotated[Served, Depends(served)]
+M = TypeVar("M", bound=BaseModel)
+
+# /invocations reads its body itself (its shape picks the endpoint): documented here
+INVOCATION_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": {
+                "anyOf": [
+                    {"$ref": "#/components/schemas/ChatCompletionRequest"},
+                    {"$ref": "#/components/schemas/CompletionRequest"},
+                ]
+            }
+        }
+    },
+}
+
+
+async def planned(
+    app: Served, planner: Callable[..., GenerationPlan], body: Any, id_prefix: str
+) -> tuple[Backend, GenerationPlan, str]:
+    """The ready backend, the request's plan (made off the event loop) and a new id."""
+    backend = app.runtime.require_ready()
+    response_id = f"{id_prefix}{uuid.uuid4().hex}"
+    plan = await app.off_loop(
+        planner, response_id, body, backend.tokenizer, app.config, backend.limits
+    )
+    return backend, plan, response_id
+
+
+async def respond(
+    app: Served, request: Request, backend: Backend, plan: GenerationPlan, shaper: Shaper
+) -> Response:
+    """Run a plan: a beam search (whole), a stream of events, or one JSON body."""
+    if plan.beam is not None:  # vLLM's beam search: steps of ordinary requests, whole
+        work = beam.complete(app.runtime, backend, plan, app.metrics, log_of(request), shaper)
+        return JSONResponse(await until_disconnect(request, work))
+    generation = Generation(app.runtime, backend, plan, app.metrics, log_of(request))
+    if plan.stream:
+        return sse_response(
+            generation.stream(shaper),
+            ping_interval=app.config.sse_ping_interval,
+            cleanup=generation.close,  # also when the client left before the first byte
+        )
+    body = await until_disconnect(request, generation.complete(shaper))
+    return JSONResponse(body, headers={"Server-Timing": server_timing(generation.timings)})
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request, app: App) -> Response:
+    backend, plan, response_id = await planned(app, plan_completion, body, "cmpl-")
+    shaper = completions.CompletionShaper(
+        plan, backend.tokenizer, app.config.model_name, response_id
+    )
+    return await respond(app, request, backend, plan, shaper)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, app: App
+) -> Response:
+    backend, plan, response_id = await planned(app, chat.plan_chat, body, "chatcmpl-")
+    shaper = chat.ChatShaper(plan, backend.tokenizer, app.config.model_name, response_id)
+    return await respond(app, request, backend, plan, shaper)
+
+
+@router.post("/v1/chat/completions/batch")
+async def create_batch_chat_completion(
+    body: BatchChatCompletionRequest, request: Request, app: App
+) -> Response:
+    backend, plan, response_id = await planned(app, chat.plan_batch_chat, body, "chatcmpl-")
+    shaper = chat.ChatShaper(plan, backend.tokenizer, app.config.model_name, response_id)
+    return await respond(app, request, backend, plan, shaper)
+
+
+@router.post("/invocations", openapi_extra={"requestBody": INVOCATION_BODY})
+async def invocations(request: Request, app: App) -> Response:
+    """SageMaker's entry point: a body with `messages` is a chat completion, one with
+    `prompt` a completion (vLLM tries the chat request first, then the completion)."""
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as exc:
+        message = f"request body is not valid JSON: {exc.msg}"
+        raise bad_request(message, code="invalid_json") from None
+    if isinstance(body, dict) and "messages" in body:
+        return await create_chat_completion(_parsed(ChatCompletionRequest, body), request, app)
+    if isinstance(body, dict) and "prompt" in body:
+        return await create_completion(_parsed(CompletionRequest, body), request, app)
+    raise bad_request(
+        "Cannot find suitable handler for request. Expected one of: "
+        "ChatCompletionRequest (messages), CompletionRequest (prompt)"
+    )
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, app: App) -> Response:
+    backend, plan, response_id = await planned(app, responses.plan_response, body, "resp_")
+    shaper = responses.ResponsesShaper(plan, body, app.config.model_name, response_id)
+    if not plan.stream:
+        return await respond(app, request, backend, plan, shaper)
+    generation = Generation(app.runtime, backend, plan, app.metrics, log_of(request))
+    return sse_response(  # named events: its own framing, the same Generation
+        responses.stream_events(generation, shaper),
+        ping_interval=app.config.sse_ping_interval,
+        cleanup=generation.close,
+    )
+
+
+def _parsed(model: type[M], body: Any) -> M:
+    """A body read outside FastAPI's parameters, its errors the same 400s."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from None
