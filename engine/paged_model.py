@@ -44,6 +44,7 @@ class StepBatch:
     slots: Ints  # (T,) int32: page * page_size + offset its K/V goes to; padding past all
     attention: AttentionBatch
     last: Ints  # (S,) int32: each sequence's last query (whose logits the step returns)
+    lora: Ints | None = None  # (T,) int32: each token's adapter slot (engine.lora), if any
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,9 @@ def forward(
     written = []
     for lp, layer_pages in zip(params["layers"], pages, strict=True):
         x, layer_pages = _layer(
-            lp, layer_pages, x, cos, sin, slots, batch.attention, cfg=cfg, attention=attention
-        )
+            lp, layer_pages, x, cos, sin, slots, batch.attention, batch.lora, cfg=cfg,
+            attention=attention,
+        )  # fmt: skip
         written.append(layer_pages)
     return x, tuple(written)
 
@@ -201,6 +203,7 @@ def _layer(
     sin: jax.Array,
     slots: jax.Array,
     batch: AttentionBatch,
+    lora: jax.Array | None,
     *,
     cfg: ModelConfig,
     attention: Attention,
@@ -211,7 +214,7 @@ def _layer(
     and lowers one layer and calls it per layer (XLA inlines the calls, so the compiled
     step is the unrolled one). Tracing 30 layers' attention loops one by one took most of
     a warm start's seconds (bench/README, "Start-up")."""
-    q, k, v = attention_inputs(lp, x, cfg, cos, sin)
+    q, k, v = attention_inputs(lp, x, cfg, cos, sin, lora)
     pages = attention.write(pages, k, v, slots)
     attn = attention.attend(q, pages, batch, sliding_window=cfg.sliding_window)
-    return layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg), pages
+    return layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg, lora), pages

@@ -28,6 +28,7 @@ from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Launched, Runner, StepPlan
 from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
 from engine.core.speculation import SpecCounters, SpeculativeConfig
+from engine.lora import Adapters, LoraConfig, empty_pool, with_pool, write_slot
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
 from engine.model import Params
 from engine.paged_model import hidden_major_head
@@ -62,6 +63,10 @@ class CoreConfig:
     kv_cache_dtype: str = "auto"  # pages' dtype (engine.attention.kv_dtype)
     async_scheduling: bool = True  # the loop plans step N + 1 while step N runs
     prefill_only: bool = False  # a disaggregated core's prefill set (engine.core.disaggregated)
+    max_loras: int = 0  # LoRA adapters resident at once (engine.lora); 0: LoRA off
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept as host arrays (None: max_loras)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, folder) loaded at start
 
     def __post_init__(self) -> None:
         if self.dtype not in NP_DTYPES:
@@ -82,11 +87,19 @@ class CoreConfig:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)
+        if self.lora is None and self.lora_modules:
+            raise ValueError("LoRA modules need max_loras >= 1 (--enable-lora)")
         if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
             raise ValueError(
                 f"devices {list(self.devices)} must be tensor_parallel_size "
                 f"({self.tensor_parallel_size}) ids"
             )
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        if self.max_loras == 0:
+            return None
+        return LoraConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -139,6 +152,12 @@ class EngineCore:
         self.chunk_size = chunk
         params = self._params(config.model_path, cfg, platform)
         self.weight_bytes = param_bytes(params)
+        self.adapters: Adapters | None = None
+        if config.lora is not None:  # every adapter named at start read (and checked) now
+            self.adapters = Adapters(cfg, config.lora, config.dtype)
+            for name, folder in config.lora_modules:
+                self.adapters.load(name, folder)
+            params = with_pool(params, empty_pool(cfg, config.lora, config.dtype, self.mesh))
         spec = config.speculative
         draft_cfg, draft_params = None, None
         if spec is not None and spec.model is not None:  # placed before the pages are counted
@@ -189,6 +208,7 @@ class EngineCore:
                 vocab_size=cfg.vocab_size,
                 speculative=spec,
                 prefill_only=config.prefill_only,
+                max_loras=config.max_loras,
             ),
             pool,
             self.draft,
@@ -300,6 +320,10 @@ class EngineCore:
         plan = self.scheduler.schedule(ahead)
         if plan is None:
             return None
+        for slot, adapter in plan.lora_writes:
+            assert self.adapters is not None
+            arrays = self.adapters.arrays(adapter)
+            self.runner.params = write_slot(self.runner.params, slot, arrays)
         launched = self.runner.execute(self.runner.prepare(plan))
         if self.draft is not None:
             self.draft.follow(plan)

@@ -43,6 +43,7 @@ class Sequence:  # identities, never every field of two sequences
     prompt_entries: list[TokenLogprobs | None] = field(default_factory=list)
     accepted_average: float = MAX_SPECULATIVE_TOKENS  # speculation: drafts it has accepted
     recount: bool = False  # sampled on another device set: its row's counts are rebuilt
+    adapter: int = 0  # its LoRA adapter's id (engine.lora.Adapters; 0: the base model)
 
     def __post_init__(self) -> None:
         self._tokens = list(self.prompt) + self.output  # prompt then output, grown in place
@@ -110,6 +111,7 @@ class SchedulerConfig:
     max_prefill_seqs: int = 0  # prompt chunks per step (0: as many as the budget takes)
     vocab_size: int = 0  # for allowed_token_ids' masks (0: no masks)
     speculative: SpeculativeConfig | None = None  # drafts for decode rows (None: none)
+    max_loras: int = 0  # LoRA adapters resident at once (engine.core.lora_slots)
     # a disaggregated core's prefill set: prompts only; a sequence leaves for the decode
     # set once its first token is sampled (Scheduler.take_handoffs)
     prefill_only: bool = False
