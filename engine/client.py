@@ -49,6 +49,7 @@ from engine.core.messages import (
     encode,
 )
 from engine.core.process import ProcessConfig
+from engine.lora_requests import LoraDone, LoraRequests
 from engine.request import (
     ActiveRequest,
     Delta,
@@ -143,6 +144,7 @@ class EngineClient:
         self.limits = EngineLimits(2, 1, 1)  # replaced by the core's on Ready
         self._process: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
+        self.loras = LoraRequests(self._send)  # run-time LoRA loads (server.lora)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> Ready:
@@ -256,6 +258,7 @@ class EngineClient:
             ),
             prompt_logprobs=_prompt_logprobs(request),
             grammar=_grammar(request.sampling),
+            lora=request.lora,
         )
         with self._lock:
             if not self.alive or self._stopping:
@@ -314,6 +317,7 @@ class EngineClient:
             Outputs: self._on_outputs,  # type: ignore[dict-item]
             Log: self._on_log,  # type: ignore[dict-item]
             Failed: self._on_failed,  # type: ignore[dict-item]
+            LoraDone: self.loras.done,  # type: ignore[dict-item]
         }
         try:
             while not self._dead.is_set():
@@ -443,6 +447,7 @@ class EngineClient:
             listeners, self._listeners = self._listeners, []
             self._idle.notify_all()
         failure = RequestFailed(f"the engine failed: {error}")
+        self.loras.fail(str(failure))
         for open_ in opened:
             open_.stream.close(error=failure)
         self._dead.set()

@@ -308,6 +308,17 @@ class Adapters:
         self._keep(adapter, arrays)
         return adapter
 
+    def resolve(self, name: str) -> int:
+        """The id of the adapter a request names ("": the base model, 0)."""
+        if not name:
+            return 0
+        if name not in self.by_name:
+            raise ValueError(f"The model `{name}` does not exist.")
+        return self.by_name[name]
+
+    def name_of(self, adapter: int) -> str:
+        return self._records[adapter].name
+
     def unload(self, name: str) -> None:
         """No new request may name it; sequences already holding its id finish with it."""
         if name not in self.by_name:

@@ -34,6 +34,7 @@ from server.errors import APIError, bad_request, install_error_handlers, validat
 from server.generation import Generation, Shaper, log_of, until_disconnect
 from server.jsonbody import StrictJSONRoute
 from server.lifecycle import Runtime
+from server.lora import LoraRegistry, add_lora_routes, select, with_adapter
 from server.metrics import EngineMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
 from server.openapi import document_api
@@ -142,6 +143,9 @@ def _add_routes(
 ) -> None:
     created = int(time.time())
     app.router.route_class = StrictJSONRoute  # bodies parse as strict JSON (server.jsonbody)
+    loras = LoraRegistry(config.model_name, {m.name: m for m in config.lora_modules})
+    if config.enable_runtime_lora_updating:
+        add_lora_routes(app, loras, lambda: runtime.require_ready().engine)
 
     async def off_loop(fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(text_pool, fn, *args)
@@ -180,12 +184,17 @@ def _add_routes(
             "max_model_len": limits.max_model_len if limits else config.max_model_len,
         }
 
+    def lora_card(name: str) -> dict[str, Any]:
+        return loras.card(loras.modules[name], created, model_card()["max_model_len"])
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *map(lora_card, list(loras.modules))]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id in loras.modules:
+            return lora_card(model_id)
         if model_id != config.model_name:
             raise APIError(
                 404,
@@ -213,33 +222,33 @@ def _add_routes(
 
     async def planned(
         planner: Callable[..., GenerationPlan], body: Any, id_prefix: str
-    ) -> tuple[Backend, GenerationPlan, str]:
-        """The ready backend, the request's plan (made off the event loop) and a new id."""
+    ) -> tuple[Backend, GenerationPlan, str, str]:
+        """The ready backend, the request's plan (made off the event loop), a new id and the
+        model the response names (a LoRA adapter's name, server.lora)."""
         backend = runtime.require_ready()
         response_id = f"{id_prefix}{uuid.uuid4().hex}"
+        body, model = select(loras, body)
         plan = await off_loop(planner, response_id, body, backend.tokenizer, config, backend.limits)
-        return backend, plan, response_id
+        return backend, with_adapter(plan, model, loras), response_id, model
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        backend, plan, response_id = await planned(plan_completion, body, "cmpl-")
-        shaper = completions.CompletionShaper(
-            plan, backend.tokenizer, config.model_name, response_id
-        )
+        backend, plan, response_id, model = await planned(plan_completion, body, "cmpl-")
+        shaper = completions.CompletionShaper(plan, backend.tokenizer, model, response_id)
         return await respond(request, backend, plan, shaper)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        backend, plan, response_id = await planned(chat.plan_chat, body, "chatcmpl-")
-        shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)
+        backend, plan, response_id, model = await planned(chat.plan_chat, body, "chatcmpl-")
+        shaper = chat.ChatShaper(plan, backend.tokenizer, model, response_id)
         return await respond(request, backend, plan, shaper)
 
     @app.post("/v1/chat/completions/batch")
     async def create_batch_chat_completion(
         body: BatchChatCompletionRequest, request: Request
     ) -> Response:
-        backend, plan, response_id = await planned(chat.plan_batch_chat, body, "chatcmpl-")
-        shaper = chat.ChatShaper(plan, backend.tokenizer, config.model_name, response_id)
+        backend, plan, response_id, model = await planned(chat.plan_batch_chat, body, "chatcmpl-")
+        shaper = chat.ChatShaper(plan, backend.tokenizer, model, response_id)
         return await respond(request, backend, plan, shaper)
 
     @app.post("/invocations", openapi_extra={"requestBody": INVOCATION_BODY})
@@ -262,8 +271,8 @@ def _add_routes(
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        backend, plan, response_id = await planned(responses.plan_response, body, "resp_")
-        shaper = responses.ResponsesShaper(plan, body, config.model_name, response_id)
+        backend, plan, response_id, model = await planned(responses.plan_response, body, "resp_")
+        shaper = responses.ResponsesShaper(plan, body, model, response_id)
         if not plan.stream:
             return await respond(request, backend, plan, shaper)
         generation = Generation(runtime, backend, plan, metrics, log_of(request))

@@ -73,6 +73,13 @@ def load_core(config: ServerConfig, text_streams: Any, eos_token_ids: Any) -> An
         "tensor_parallel_size": config.tensor_parallel_size,
         "speculative_config": config.speculative_config,
     }
+    if config.enable_lora:  # the core reads (and checks) each adapter before it is ready
+        core |= {
+            "max_loras": config.max_loras,
+            "max_lora_rank": config.max_lora_rank,
+            "max_cpu_loras": config.max_cpu_loras,
+            "lora_modules": [(m.name, m.path) for m in config.lora_modules],
+        }
     client = EngineClient(
         core,
         text_streams,

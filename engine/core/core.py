@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from engine.attention import KVLayout, attention_backend
 from engine.attention.kv_dtype import storage_dtype
@@ -304,7 +305,20 @@ class EngineCore:
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
             spec_accepted_per_position=tuple(spec.accepted_per_position),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """vLLM's lora_requests_info: adapters running, waiting, and the pool's slots."""
+        if self.adapters is None:
+            return {}
+        named = self.adapters.name_of
+        waiting = sorted({s.adapter for s in self.scheduler.waiting} - {0})
+        return {
+            "lora_running": tuple(named(a) for a in self.scheduler.lora.running()),
+            "lora_waiting": tuple(named(a) for a in waiting),
+            "max_loras": self.config.max_loras,
+        }
 
     def step(self) -> list[Emitted]:
         """One scheduled step run on the devices; [] when there is nothing to run."""

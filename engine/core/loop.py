@@ -3,8 +3,9 @@
 Runs on: the core process's main thread, the only thread that touches the EngineCore
 (scheduler and runner). Owns: the open requests' sample count and the grammar compiler
 of structured outputs (constraints arrive as specs and are compiled here, where the
-masks are needed). Receives `AddRequest`, `Abort` and `Stop` (engine.core.messages) from
-`receive`; emits one `Outputs` per step that sampled anything through `send`.
+masks are needed). Receives `AddRequest`, `Abort`, `Stop`, `LoadLora` and `UnloadLora`
+(engine.core.messages) from `receive`; emits one `Outputs` per step that sampled anything,
+and a `LoraDone` per adapter loaded or unloaded, through `send`.
 
 Each iteration takes every message waiting (blocking only when nothing runs), dispatches
 the next step, then waits for the one dispatched before it and sends its tokens: one step
@@ -28,14 +29,18 @@ from engine.core.messages import (
     Abort,
     AddRequest,
     FromCore,
+    LoadLora,
+    LoraDone,
     Outputs,
     Stats,
     Stop,
     ToCore,
     TokenOut,
+    UnloadLora,
 )
 from engine.core.scheduler import Emitted, Sequence
 from engine.faults import InjectedFault
+from engine.lora import Adapters
 from engine.types import TokenConstraint, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -77,6 +82,8 @@ class Core(Protocol[P]):
     def add(self, seq: Sequence) -> None: ...
     def abort(self, seq_id: str) -> bool: ...
     def stats(self, steps: int) -> Stats: ...
+    @property
+    def adapters(self) -> Adapters | None: ...
 
 
 class CoreLoop(Generic[P]):
@@ -137,12 +144,29 @@ class CoreLoop(Generic[P]):
             for request_id, index in message.samples:
                 if self._core.abort(seq_id(request_id, index)):
                     self._ended(request_id)
+        elif isinstance(message, LoadLora | UnloadLora):
+            self._send(self._lora(message))
         elif isinstance(message, AddRequest):
             try:
                 self._add(message)
             except ValueError as exc:  # this request's data; the core goes on
                 return message.request_id, str(exc)
         return None
+
+    def _lora(self, message: LoadLora | UnloadLora) -> LoraDone:
+        """Load or unload an adapter between steps (a load reads its folder here: the
+        steps wait for it, as vLLM's do)."""
+        adapters, loading = self._core.adapters, isinstance(message, LoadLora)
+        try:
+            if adapters is None:
+                raise ValueError("LoRA adapters are not enabled (--enable-lora)")
+            if isinstance(message, LoadLora):
+                adapters.load(message.name, message.path)
+            else:
+                adapters.unload(message.name)
+        except ValueError as exc:  # the adapter's files or name; the core goes on
+            return LoraDone(message.name, loading, str(exc))
+        return LoraDone(message.name, loading)
 
     def _add(self, request: AddRequest) -> None:
         constraint = None
@@ -151,6 +175,10 @@ class CoreLoop(Generic[P]):
                 raise ValueError("structured outputs are not available on this engine")
             constraint = self._compile_grammar(request.grammar.kind, request.grammar.text)
         stop = frozenset(request.stop_token_ids)
+        adapters = self._core.adapters
+        if adapters is None and request.lora:
+            raise ValueError(f"The model `{request.lora}` does not exist.")
+        adapter = 0 if adapters is None else adapters.resolve(request.lora)
         seqs = []
         for index, sample in enumerate(request.samples):
             sampling = sample.params()
@@ -165,6 +193,7 @@ class CoreLoop(Generic[P]):
                     request.max_tokens,
                     stop_token_ids=stop,
                     prompt_logprobs=request.prompt_logprobs,
+                    adapter=adapter,
                 )
             )
         for seq in seqs:

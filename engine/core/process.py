@@ -124,6 +124,7 @@ def _core_config(fields: dict[str, Any]) -> Any:
     fields = dict(fields)
     if fields.get("devices") is not None:
         fields["devices"] = tuple(fields["devices"])
+    fields["lora_modules"] = tuple(tuple(m) for m in fields.get("lora_modules", ()))
     return CoreConfig(**fields)
 
 

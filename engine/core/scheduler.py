@@ -209,8 +209,9 @@ class Scheduler:
             budget -= n
             chunks -= 1
         while not blocked and self._free_rows and budget > 0 and chunks > 0:
-            if (seq := self.lora.first(self.waiting)) is None:
+            if (waiting := self.lora.first(self.waiting)) is None:
                 break  # none, or each one's adapter waits for a pool slot
+            seq = waiting
             self._match(seq)
             n = self._chunk(seq)
             if n > budget or not self._reserve(seq, seq.computed + n, None):
