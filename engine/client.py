@@ -144,7 +144,7 @@ class EngineClient:
         self.limits = EngineLimits(2, 1, 1)  # replaced by the core's on Ready
         self._process: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
-        self.loras = LoraRequests(self._send)  # run-time LoRA loads (server.lora)
+        self.loras = LoraRequests(self._send, self.add_failure_listener)  # (server.lora)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> Ready:
@@ -307,6 +307,7 @@ class EngineClient:
             spec_draft_tokens=stats.spec_draft_tokens,
             spec_accepted_tokens=stats.spec_accepted_tokens,
             spec_accepted_per_position=stats.spec_accepted_per_position,
+            lora=(stats.lora_running, stats.lora_waiting, stats.max_loras),
             weight_bytes=0 if info is None else info.weight_bytes,
         )
 
@@ -447,7 +448,6 @@ class EngineClient:
             listeners, self._listeners = self._listeners, []
             self._idle.notify_all()
         failure = RequestFailed(f"the engine failed: {error}")
-        self.loras.fail(str(failure))
         for open_ in opened:
             open_.stream.close(error=failure)
         self._dead.set()

@@ -20,10 +20,17 @@ __all__ = ["LoraDone", "LoraRequests"]
 
 
 class LoraRequests:
-    def __init__(self, send: Callable[[ToCore], None]) -> None:
+    def __init__(
+        self,
+        send: Callable[[ToCore], None],
+        on_failure: Callable[[Callable[[BaseException], None]], None],
+    ) -> None:
+        """`on_failure`: registers a call for when the core dies (its questions then get
+        the failure as their answer)."""
         self._send = send
         self._lock = threading.Lock()
         self._waiting: defaultdict[tuple[str, bool], deque[Future[str | None]]] = defaultdict(deque)
+        on_failure(lambda error: self.fail(f"the engine failed: {error}"))
 
     def load(self, name: str, path: str) -> Future[str | None]:
         """The core reads the adapter's folder; the future holds None or why it failed."""

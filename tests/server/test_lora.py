@@ -204,3 +204,29 @@ def test_a_bad_adapter_at_start_ends_the_server_with_the_reason(
     )  # fmt: skip
     assert done.returncode != 0
     assert "rank 32 exceeds --max-lora-rank 16" in done.stdout + done.stderr
+
+
+def lora_info(server: LiveServer) -> dict[str, str]:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    lines = [line for line in text.splitlines() if line.startswith("llm_lora_requests_info{")]
+    assert len(lines) == 1, lines
+    labels = lines[0][lines[0].index("{") + 1 : lines[0].index("}")]
+    return dict((k, v.strip('"')) for k, v in (p.split("=", 1) for p in labels.split('",')))
+
+
+def test_lora_requests_info_is_served_with_the_pool_size(server: LiveServer) -> None:
+    """Its labels' contents while adapters run: tests/engine/core/test_lora_slots.py (a
+    tiny model's request ends before a scrape could reliably see it running)."""
+    client = OpenAI(base_url=server.v1, api_key=KEY)
+    client.completions.create(model="a", prompt=PROMPT, max_tokens=4)
+    info = lora_info(server)
+    assert info == {
+        "model_name": MODEL_NAME,
+        "running_lora_adapters": "",
+        "waiting_lora_adapters": "",
+        "max_lora": "2",
+    }
+
+
+def test_no_lora_metric_without_lora(live: LiveServer) -> None:
+    assert "llm_lora_requests_info" not in httpx.get(live.base_url + "/metrics", timeout=10).text

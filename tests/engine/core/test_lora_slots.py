@@ -122,6 +122,18 @@ def test_an_adapter_not_resident_waits_for_a_slot_and_never_takes_one_in_use(
     assert out == {s.seq_id: alone[s.seq_id[0]] for s in seqs}
 
 
+def test_stats_name_the_adapters_running_and_waiting(tiny_checkpoint_of, adapters):
+    """vLLM's lora_requests_info, as the core reports it (server.metrics serves it)."""
+    core = lora_core(tiny_checkpoint_of("llama"), adapters, max_loras=2)
+    for i, name in enumerate("abcd"):
+        core.add(seq(core, f"s{i}", name, [9, 8, 7], max_tokens=3))
+    core.add(seq(core, "base", None, [9, 8, 7], max_tokens=3))
+    core.step()
+    stats = core.stats(1)
+    assert (stats.lora_running, stats.lora_waiting, stats.max_loras) == (("a", "b"), ("c", "d"), 2)
+    assert stats.running == 3 and stats.waiting == 2
+
+
 def test_the_least_recently_used_idle_slot_is_taken():
     slots = LoraSlots(2)
     assert slots.acquire(0) == NO_ADAPTER and slots.available(0)
