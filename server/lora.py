@@ -41,13 +41,17 @@ class LoraModule:
 
 def parse_lora_modules(values: str | Sequence[str]) -> tuple[LoraModule, ...]:
     """vLLM's forms: `name=path`, or JSON {"name", "path", "base_model_name"}; the flag
-    takes several; its variable a JSON list of either, or them separated by spaces."""
+    takes several, and so does its variable (a JSON list of either, or `name=path` entries
+    separated by spaces, as one flag value may have them too)."""
     if isinstance(values, str):
         text = values.strip()
-        values = [str(v) for v in json.loads(text)] if text.startswith("[") else text.split()
-    out = []
+        values = [str(v) for v in json.loads(text)] if text.startswith("[") else [text]
+    entries: list[str] = []
     for value in values:
         value = value.strip()
+        entries += [value] if value.startswith("{") else value.split()
+    out = []
+    for value in entries:
         if value.startswith("{"):
             try:
                 raw = json.loads(value)
