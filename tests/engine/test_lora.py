@@ -62,6 +62,13 @@ def test_logits_with_an_adapter_match_transformers_and_peft(
     base, adapter = tiny_checkpoint_of(arch), peft_adapter_of(arch, **options)
     core = core_of(base, max_loras=2, max_lora_rank=8, lora_modules=(("a", str(adapter)),))
     events = generate(core, "a")
+    check_against_peft(base, adapter, events)
+    # the adapter changes the model: the base's logprobs are elsewhere
+    base_events = generate(core, None)
+    assert any(abs(a.logprob - b.logprob) > 1e-3 for a, b in zip(events, base_events, strict=True))
+
+
+def check_against_peft(base: Path, adapter: Path, events: list[Emitted]) -> None:
     tokens = PROMPT + [e.token for e in events]
     want = peft_logprobs(base, adapter, tokens[:-1])
     n = len(PROMPT)
@@ -72,9 +79,26 @@ def test_logits_with_an_adapter_match_transformers_and_peft(
     np.testing.assert_allclose(got, [want[p - 1, PROMPT[p]] for p in range(1, n)], atol=TOL)
     for i, event in enumerate(events):
         np.testing.assert_allclose(event.logprob, want[n - 1 + i, event.token], atol=TOL)
-    # the adapter changes the model: the base's logprobs are elsewhere
-    base_events = generate(core, None)
-    assert any(abs(a.logprob - b.logprob) > 1e-3 for a, b in zip(events, base_events, strict=True))
+
+
+@pytest.mark.parametrize(("arch", "tp"), [("llama", 2), ("llama", 4), ("qwen2", 2)])
+def test_adapters_shard_with_their_layers(arch, tp, tiny_checkpoint_of, peft_adapter_of):
+    """Tensor parallel (4 CPU devices; on 4 the llama's 2 kv heads are replicated): the
+    pool split as its weights are, and the logits still PEFT's."""
+    base, adapter = tiny_checkpoint_of(arch), peft_adapter_of(arch, rank=3, targets=ALL)
+    core = core_of(
+        base, tensor_parallel_size=tp, max_loras=2, max_lora_rank=4,
+        lora_modules=(("a", str(adapter)),),
+    )  # fmt: skip
+    check_against_peft(base, adapter, generate(core, "a"))
+    layer = core.runner.params["layers"][0]
+    split = {"lora_b_wqkv": 2, "lora_b_w_gate_up": 2, "lora_a_wo": 1, "lora_a_w_down": 1}
+    for name, axis in split.items():
+        array = layer[name]
+        assert array.sharding.spec[axis] == "model", name
+        assert all(s.data.shape[axis] * tp == array.shape[axis] for s in array.addressable_shards)
+    for name in ("lora_a_wqkv", "lora_b_wo", "lora_a_w_gate_up", "lora_b_w_down"):
+        assert all(s.data.shape == layer[name].shape for s in layer[name].addressable_shards)
 
 
 def test_a_core_with_a_pool_serves_the_base_model_with_the_same_bits(tiny_checkpoint_of):
