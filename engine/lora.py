@@ -26,7 +26,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from engine.checkpoint import NP_DTYPES
 from engine.config import ModelConfig
@@ -235,24 +235,33 @@ def _tensor(
     return value.astype(np.float32)
 
 
+def pool_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int, int]]:
+    """One layer's pool arrays: name -> (slots, in, parts * rank) for A, (slots, parts *
+    rank, out) for B."""
+    out = {}
+    slots, rmax = lora.max_loras, lora.max_lora_rank
+    for weight, (n_in, n_out) in _shapes(cfg).items():
+        out["lora_a_" + weight] = (slots, n_in, PARTS[weight] * rmax)
+        out["lora_b_" + weight] = (slots, PARTS[weight] * rmax, n_out)
+    return out
+
+
+def pool_sharding(mesh: Mesh, name: str) -> NamedSharding:
+    """A pool array's sharding: split as its weight is (POOL_AXES), else whole."""
+    return split(mesh, POOL_AXES[name]) if name in POOL_AXES else replicated(mesh)
+
+
 def empty_pool(cfg: ModelConfig, lora: LoraConfig, dtype: str, mesh: Mesh) -> SlotArrays:
     """Per layer the pool's arrays (zeros, every slot empty), split over the mesh with
     their layers (POOL_AXES)."""
-    out = []
-    shapes = _shapes(cfg)
-    slots, rmax = lora.max_loras, lora.max_lora_rank
-    for _ in range(cfg.num_layers):
-        layer = {}
-        for weight, parts in PARTS.items():
-            n_in, n_out = shapes[weight]
-            for name, shape in (
-                ("lora_a_" + weight, (slots, n_in, parts * rmax)),
-                ("lora_b_" + weight, (slots, parts * rmax, n_out)),
-            ):
-                sharding = split(mesh, POOL_AXES[name]) if name in POOL_AXES else replicated(mesh)
-                layer[name] = jax.device_put(np.zeros(shape, NP_DTYPES[dtype]), sharding)
-        out.append(layer)
-    return out
+    shapes = pool_shapes(cfg, lora)
+    return [
+        {
+            name: jax.device_put(np.zeros(shape, NP_DTYPES[dtype]), pool_sharding(mesh, name))
+            for name, shape in shapes.items()
+        }
+        for _ in range(cfg.num_layers)
+    ]
 
 
 @jax.jit
