@@ -280,6 +280,15 @@ def write_slot(params: dict, slot: int, value: SlotArrays) -> dict:
     return params | {"layers": layers}
 
 
+def zero_slot(params: dict) -> SlotArrays:
+    """One slot's arrays of the params' pool, zeros (no adapter): what warm-up writes, so
+    the slot write is compiled before the first adapter is loaded."""
+    return [
+        {k: np.zeros(v.shape[1:], v.dtype) for k, v in lp.items() if k.startswith("lora_")}
+        for lp in params["layers"]
+    ]
+
+
 def with_pool(params: dict, pool: SlotArrays) -> dict:
     """Params with the pool's arrays beside each layer's weights (engine.model reads them)."""
     return params | {"layers": [lp | p for lp, p in zip(params["layers"], pool, strict=True)]}

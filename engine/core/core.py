@@ -29,7 +29,7 @@ from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Launched, Runner, StepPlan
 from engine.core.scheduler import Emitted, Scheduler, SchedulerConfig, Sequence
 from engine.core.speculation import SpecCounters, SpeculativeConfig
-from engine.lora import Adapters, LoraConfig, empty_pool, with_pool, write_slot
+from engine.lora import Adapters, LoraConfig, empty_pool, with_pool, write_slot, zero_slot
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
 from engine.model import Params
 from engine.paged_model import hidden_major_head
@@ -265,11 +265,15 @@ class EngineCore:
 
     def warmup(self) -> None:
         self.runner.warmup()
+        if self.adapters is not None:  # compiles the slot write (an empty slot's zeros)
+            self.runner.params = write_slot(self.runner.params, 0, zero_slot(self.runner.params))
         if self.draft is not None:
             self.draft.runner.warmup()  # its proposals' steps
             self.draft.runner.warmup_fill()  # following the target's
 
     def add(self, seq: Sequence) -> None:
+        if seq.adapter and self.adapters is None:
+            raise ValueError("LoRA adapters are not enabled on this core (max_loras is 0)")
         self.scheduler.add(seq)
 
     def abort(self, seq_id: str) -> bool:

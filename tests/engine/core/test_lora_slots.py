@@ -16,6 +16,7 @@ from engine.core.scheduler import Emitted, Sequence
 from engine.lora import NO_ADAPTER
 from engine.types import SamplingParams
 from tests.engine.conftest import core_of, run_core
+from tests.engine.core.test_recompile import compile_events  # noqa: F401
 
 pytest.importorskip("peft")
 
@@ -162,3 +163,32 @@ def test_the_prefix_cache_never_crosses_adapters(tiny_checkpoint_of, adapters):
     again = cached("a2", "a")
     assert again[0] > 0 and again[1] == first_a[1]
     assert cached("base2", None)[0] > 0
+
+
+def test_adapters_loaded_and_swapped_after_warmup_compile_nothing(
+    tiny_checkpoint_of,
+    adapters,
+    compile_events,  # noqa: F811
+):
+    """Two slots for three adapters (slots rewritten while serving), an adapter loaded at
+    run time, speculation's draft rows: no program is traced or compiled after warm-up."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    some = {k: adapters[k] for k in "ab"}
+    core = lora_core(tiny_checkpoint_of("llama"), some, max_loras=2, speculative_config=spec)
+    core.warmup()
+    compile_events.clear()
+    assert core.adapters is not None
+    core.adapters.load("c", adapters["c"])
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    for round_ in range(2):
+        seqs = [seq(core, f"{n}{round_}", n, prompt, max_tokens=6) for n in ("a", "b", "c", None)]
+        run_core(core, seqs)
+    assert compile_events == []
+
+
+def test_a_sequence_naming_an_adapter_on_a_core_without_lora_is_refused(tiny_checkpoint_of):
+    core = core_of(tiny_checkpoint_of("llama"))
+    bad = Sequence("s", (1, 2, 3), GREEDY, 2)
+    bad.adapter = 1
+    with pytest.raises(ValueError, match="not enabled"):
+        core.add(bad)
