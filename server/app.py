@@ -285,6 +285,7 @@ def _add_routes(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         backend = runtime.require_ready()
+        body, _ = select(loras, body)  # an adapter tokenizes as its base model
         return await off_loop(
             tokenizing.tokenize, body, backend.tokenizer, config.model_name, backend.limits
         )
@@ -292,6 +293,7 @@ def _add_routes(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         backend = runtime.require_ready()
+        body, _ = select(loras, body)
         return await off_loop(tokenizing.detokenize, body, backend.tokenizer, config.model_name)
 
     if config.enable_tokenizer_info_endpoint:  # off by default: it shows the chat template

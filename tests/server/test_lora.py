@@ -108,6 +108,16 @@ def test_a_request_naming_an_adapter_gets_peft_s_greedy_tokens(
     assert chat.model == "b" and chat.choices[0].message.content is not None
 
 
+def test_an_adapter_tokenizes_as_its_base_model(server: LiveServer) -> None:
+    def tokenize(model: str) -> httpx.Response:
+        body = {"model": model, "prompt": "Hi there"}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        return httpx.post(server.base_url + "/tokenize", json=body, headers=headers, timeout=30)
+
+    assert tokenize("a").json()["tokens"] == tokenize(MODEL_NAME).json()["tokens"] != []
+    assert tokenize("nope").status_code == 404
+
+
 def test_an_unknown_model_is_openai_s_404(server: LiveServer) -> None:
     client = OpenAI(base_url=server.v1, api_key=KEY)
     with pytest.raises(openai.NotFoundError) as caught:
