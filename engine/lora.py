@@ -183,7 +183,7 @@ def read_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, dtype: str
         raise ValueError(f"LoRA adapter {folder}: no adapter_model.safetensors")
     try:
         tensors = load_file(weights)
-    except (SafetensorError, OSError, ValueError) as exc:
+    except (SafetensorError, OSError, ValueError, TypeError) as exc:  # TypeError: a dtype
         raise ValueError(f"LoRA adapter {folder}: unreadable safetensors ({exc})") from exc
     shapes = _shapes(cfg)
     sizes = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size // cfg.kv_replicas}

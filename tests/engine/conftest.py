@@ -63,6 +63,7 @@ def write_peft_adapter(
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
     rslora: bool = False,
     seed: int = 0,
+    dtype: str = "float32",
 ) -> Path:
     """A PEFT LoRA adapter of the checkpoint at `base`, written by PEFT's save_pretrained
     (adapter_config.json + adapter_model.safetensors): every A and B random, B nonzero
@@ -85,7 +86,7 @@ def write_peft_adapter(
         for name, value in lora.named_parameters():
             if "lora_B" in name:
                 value.copy_(torch.randn_like(value) * 0.1)
-    lora.save_pretrained(folder)
+    lora.to(getattr(torch, dtype)).save_pretrained(folder)
     return folder
 
 

@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -145,6 +146,21 @@ def test_a_bad_adapter_is_refused_naming_what_is_wrong(
     cfg = load_model_config(tiny_checkpoint_of("llama"))
     with pytest.raises(ValueError, match=message):
         read_adapter(folder, cfg, 16, "float32")
+
+
+def test_a_bfloat16_adapter_reads_as_its_float32_values_rounded(
+    tiny_checkpoint_of, peft_adapter_of
+):
+    cfg = load_model_config(tiny_checkpoint_of("llama"))
+    f32 = read_adapter(peft_adapter_of("llama", seed=5), cfg, 8, "float32")
+    bf16 = read_adapter(peft_adapter_of("llama", seed=5, dtype="bfloat16"), cfg, 8, "float32")
+    for layer32, layer16 in zip(f32, bf16, strict=True):
+        for name, value in layer32.items():
+            a_part = value.astype(ml_dtypes.bfloat16).astype(np.float32)
+            if name.startswith("lora_a_"):  # B holds the scaling too: rounded, then scaled
+                np.testing.assert_array_equal(layer16[name], a_part)
+            else:
+                np.testing.assert_allclose(layer16[name], value, rtol=1e-2, atol=1e-6)
 
 
 def test_an_adapter_of_another_shape_is_refused(tiny_checkpoint_of, peft_adapter_of):
