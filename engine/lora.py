@@ -127,10 +127,10 @@ def read_config(folder: Path, max_rank: int) -> AdapterFiles:
     if not path.is_file():
         raise ValueError(f"LoRA adapter {folder}: no adapter_config.json")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
         rank, alpha = int(raw["r"]), float(raw.get("lora_alpha", raw["r"]))
         targets = raw["target_modules"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"LoRA adapter {folder}: malformed adapter_config.json ({exc})") from exc
     if isinstance(targets, str) or not isinstance(targets, list):
         raise ValueError(
