@@ -39,6 +39,10 @@ max(flops / peak FLOP/s, bytes / HBM bandwidth) a step, summed over a prompt's c
 
 `--num-pages memory` sizes the pool as the engine does on a chip (engine.core.memory:
 0.9 of HBM less the temporaries' headroom and the weights).
+`--lora` compiles the step with a LoRA pool beside every layer (engine.lora: `--max-loras`
+slots, default 4, of `--max-lora-rank`, default 16, each token's slot an argument), and
+compiles each program again without it: `lora_over_base` gives each program's bytes
+accessed against the base program's (bench/README.md, "LoRA").
 `--quantization int8` compiles against int8 weights with their scales (engine.quant) and
 `--kv-cache-dtype fp8` against fp8 pages (engine.attention.kv_dtype): unavoidable_bytes
 then counts those bytes, so bytes_accessed against a bfloat16 run of the same setup is
@@ -89,6 +93,7 @@ from engine.core.core import CHUNK_SIZE, backend_numerics
 from engine.core.memory import TEMPORARY_HEADROOM, KVBudget
 from engine.core.runner import prompt_logprobs_program, step_program
 from engine.core.shapes import Shapes
+from engine.lora import LoraConfig, pool_shapes, pool_sharding
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
 from engine.paged_model import StepBatch
 from engine.quant import QUANTIZATIONS, quantized_shapes
@@ -126,6 +131,8 @@ class Setup:
     quantization: str = "none"  # engine.quant: "int8" weights
     kv_cache_dtype: str = "auto"  # engine.attention.kv_dtype
     chip_peaks: str | None = None  # "FLOPS,BYTES_PER_S"; default: CHIP_PEAKS
+    max_loras: int = 0  # engine.lora: a pool of this many adapter slots (0: no LoRA)
+    max_lora_rank: int = 16
 
 
 def placed(shapes: Any, shardings: Any) -> Any:
@@ -215,6 +222,13 @@ class Harness:
         self.params = placed(shapes, checkpoint_param_shardings(shapes, self.cfg, self.mesh))
         if setup.quantization == "int8":
             self.params = quantized_shapes(self.params)
+        if setup.max_loras:  # the LoRA pool beside each layer's weights, split as they are
+            pool = pool_shapes(self.cfg, LoraConfig(setup.max_loras, setup.max_lora_rank))
+            self.params["layers"] = [
+                lp | {k: jax.ShapeDtypeStruct(s, self.dtype, sharding=pool_sharding(self.mesh, k))
+                      for k, s in pool.items()}
+                for lp in self.params["layers"]
+            ]  # fmt: skip
         kv_dtype = storage_dtype(setup.kv_cache_dtype, setup.dtype)
         probe = KVLayout(
             1, setup.page_size, self.cfg.num_kv_heads, self.cfg.head_dim, kv_dtype, fold
@@ -270,6 +284,10 @@ class Harness:
         new = sum(seqs.q_lens)
         moved = self.weight_bytes(self.params, new) + (live + new) * self.kv_token_bytes()
         layers = matmul_elements(self.params["layers"])
+        if self.setup.max_loras:  # a token multiplies by its one adapter's slot
+            pools = [{k: v for k, v in lp.items() if k.startswith("lora_")} for lp in
+                     self.params["layers"]]  # fmt: skip
+            layers -= matmul_elements(pools) * (self.setup.max_loras - 1) // self.setup.max_loras
         head = matmul_elements(self.params.get("lm_head", self.params["embed"]))
         return Work(moved, useful_flops(layers, head, self.shape(seqs)))
 
@@ -340,6 +358,7 @@ class Harness:
             slots=a(tokens),
             attention=AttentionBatch(a(count), a(count, self.pages_per_seq), a(count + 1), a(1)),
             last=a(count),
+            lora=a(tokens) if self.setup.max_loras else None,
         )
 
     def step_args(self, count: int, tokens: int) -> tuple[Any, ...]:
@@ -457,6 +476,26 @@ class Harness:
         return self.programs
 
 
+def over_base(lora: Sequence[Program], base: Sequence[Program]) -> list[dict[str, Any]]:
+    """Each LoRA program's bytes accessed (per chip) beside the same program's without
+    the pool: name, sampling, contexts, both byte counts and their ratio."""
+    plain = {(p.name, p.sampling, p.contexts): p for p in base}
+    out = []
+    for p in lora:
+        b = plain[(p.name, p.sampling, p.contexts)]
+        out.append(
+            {
+                "name": p.name,
+                "sampling": p.sampling,
+                "contexts": p.contexts,
+                "bytes_accessed": p.bytes_accessed,
+                "base_bytes_accessed": b.bytes_accessed,
+                "over_base": ratio(p.bytes_accessed, b.bytes_accessed),
+            }
+        )
+    return out
+
+
 def default_pages(setup_args: argparse.Namespace) -> int:
     """--num-pages: a count; "memory": what the chip's HBM holds beside the weights (0
     here, sized by the Harness); default: max_num_seqs sequences of max_model_len, one
@@ -498,6 +537,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="decode,prefill,mixed,prompt-logprobs",
         help="of decode,prefill,mixed,prompt-logprobs",
     )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="the step with a LoRA pool (--max-loras slots of --max-lora-rank), and each "
+        "program's bytes over the same program without it",
+    )
+    parser.add_argument("--max-loras", type=int, default=4)
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -519,12 +566,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         chip_peaks=args.chip_peaks,
+        max_loras=args.max_loras if args.lora else 0,
+        max_lora_rank=args.max_lora_rank,
     )
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # TPU programs cannot load here
     try:
         harness = Harness(setup)
         programs = harness.run(args.programs.split(","))
+        base = (
+            Harness(replace(setup, max_loras=0)).run(args.programs.split(",")) if args.lora else []
+        )
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
     report = {
@@ -532,6 +584,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         | {"device_kind": harness.device_kind, "peaks": dataclasses.asdict(harness.peaks)},
         "programs": [dataclasses.asdict(p) for p in programs],
     }
+    if args.lora:
+        report["lora_over_base"] = over_base(programs, base)
     text = json.dumps(report, indent=1)
     if args.json is not None:
         args.json.write_text(text)

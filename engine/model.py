@@ -46,9 +46,28 @@ def project(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.A
     return out.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def _project(lp: Params, x: jax.Array, name: str) -> jax.Array:
-    """x through layer weight `name`, int8 with its scale when engine.quant made it so."""
-    return project(x, lp[name], lp.get(name + "_scale"))
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """Each row's LoRA term x A[slot] B[slot] (engine.lora's pool: a (slots, in, rank), b
+    (slots, rank, out)); `slots` (rows,) int32, a row's slot (outside the pool: none, a
+    zero term). One product per factor over every slot, the other slots' terms masked
+    to zeros before the second: a row's bits are its own whatever the others' adapters,
+    and the pool's contents change without a recompile. x A is rounded to x's dtype
+    before B, as PEFT's two linear layers round it."""
+    rows = x.reshape(-1, x.shape[-1])
+    xa = lax.dot_general(rows, a, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    mine = slots[:, None, None] == jnp.arange(a.shape[0])[None, :, None]
+    xa = jnp.where(mine, xa, 0.0).astype(x.dtype)
+    out = lax.dot_general(xa, b, (((1, 2), (0, 1)), ((), ())), preferred_element_type=F32)
+    return out.astype(x.dtype).reshape(*x.shape[:-1], b.shape[-1])
+
+
+def _project(lp: Params, x: jax.Array, name: str, lora: jax.Array | None = None) -> jax.Array:
+    """x through layer weight `name`, int8 with its scale when engine.quant made it so;
+    with `lora` (each row's slot) and a pool beside the weight, plus each row's LoRA term."""
+    out = project(x, lp[name], lp.get(name + "_scale"))
+    if lora is not None and "lora_a_" + name in lp:
+        out = out + lora_delta(x, lp["lora_a_" + name], lp["lora_b_" + name], lora)
+    return out
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, tree: bool = True) -> jax.Array:
@@ -89,10 +108,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, by_product: bool = 
 
 
 def attention_inputs(
-    lp: Params, x: jax.Array, cfg: ModelConfig, cos: jax.Array, sin: jax.Array
+    lp: Params,
+    x: jax.Array,
+    cfg: ModelConfig,
+    cos: jax.Array,
+    sin: jax.Array,
+    lora: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`lora`: each row's adapter slot (engine.lora), None without adapters."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
-    qkv = _project(lp, h, "wqkv")
+    qkv = _project(lp, h, "wqkv", lora)
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     lead = x.shape[:-1]
@@ -107,16 +132,18 @@ def attention_inputs(
     return rope(q), rope(k), v
 
 
-def layer_output(lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig) -> jax.Array:
+def layer_output(
+    lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig, lora: jax.Array | None = None
+) -> jax.Array:
     """Output projection, residual, and the SwiGLU MLP block."""
-    out = _project(lp, attn, "wo")
+    out = _project(lp, attn, "wo", lora)
     if "bo" in lp:
         out = out + lp["bo"]
     x = x + out
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
     lead = x.shape[:-1]
-    gate_up = _project(lp, h, "w_gate_up")
+    gate_up = _project(lp, h, "w_gate_up", lora)
     gate_up = gate_up.reshape(*lead, cfg.shards, -1)  # per shard gate, up
     half = cfg.intermediate_size // cfg.shards
     gated = jax.nn.silu(gate_up[..., :half]) * gate_up[..., half:]
-    return x + _project(lp, gated.reshape(*lead, cfg.intermediate_size), "w_down")
+    return x + _project(lp, gated.reshape(*lead, cfg.intermediate_size), "w_down", lora)

@@ -54,7 +54,10 @@ _HELLO_S = 2.0  # a follower says who it is as it connects; a silent peer is not
 _LENGTH = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 30  # far above any step's arrays: a larger length is not a frame
 _DTYPE_KINDS = "biuf"  # bool, signed and unsigned ints, floats: all a step's arrays hold
-_BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(StepBatch) if f.name != "attention")
+# StepBatch's arrays but attention and LoRA's optional slots (each a field of Step's own)
+_BATCH_FIELDS = tuple(
+    f.name for f in dataclasses.fields(StepBatch) if f.name not in ("attention", "lora")
+)
 _ATTENTION_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionBatch))
 _SAMPLING_FIELDS = SamplingArrays._fields
 _CORE_FIELDS = frozenset(f.name for f in dataclasses.fields(CoreConfig))
@@ -129,6 +132,7 @@ class Step(msgspec.Struct, frozen=True, tag=True):
     recount: tuple[tuple[int, Array], ...]
     following: Array | None
     carry: Array | None  # tokens read from the step before (engine.core.runner)
+    lora: Array | None = None  # each token's LoRA slot (engine.lora), when adapters are served
 
     def __post_init__(self) -> None:
         for name, got, want in (
@@ -153,11 +157,13 @@ class Step(msgspec.Struct, frozen=True, tag=True):
             recount=tuple((row, Array.of(ids)) for row, ids in call.recount),
             following=None if call.following is None else Array.of(call.following),
             carry=None if call.carry is None else Array.of(call.carry),
+            lora=None if batch.lora is None else Array.of(batch.lora),
         )
 
     def call(self) -> StepCall:
         attention = AttentionBatch(**_arrays(self.attention))
-        batch = StepBatch(**_arrays(self.batch), attention=attention)
+        lora = None if self.lora is None else self.lora.array()
+        batch = StepBatch(**_arrays(self.batch), attention=attention, lora=lora)
         return StepCall(
             batch=batch,
             rows=self.rows.array(),

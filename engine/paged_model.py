@@ -45,6 +45,7 @@ class StepBatch:
     slots: Ints  # (T,) int32: page * page_size + offset its K/V goes to; padding past all
     attention: AttentionBatch
     last: Ints  # (S,) int32: each sequence's last query (whose logits the step returns)
+    lora: Ints | None = None  # (T,) int32: each token's adapter slot (engine.lora), if any
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,7 @@ def forward(
     x = embed_tokens(params, batch.tokens)
     cos, sin = rope_tables(jnp.asarray(batch.positions), inv_freq, dtype)
     slots = jnp.asarray(batch.slots)
+    lora = None if batch.lora is None else jnp.asarray(batch.lora)
     attention_batch = jax.tree.map(jnp.asarray, batch.attention)  # host arrays too
     table = attention_batch.page_indices
     per_layer = attention.layout.num_pages // cfg.num_layers
@@ -227,7 +229,9 @@ def forward(
             live, slots + index * per_layer * size, cfg.num_layers * per_layer * size
         )
         shifted_batch = dataclasses.replace(attention_batch, page_indices=table + index * per_layer)
-        out = _layer(lp, pages, x, cos, sin, shifted, shifted_batch, cfg=cfg, attention=attention)
+        out = _layer(
+            lp, pages, x, cos, sin, shifted, shifted_batch, lora, cfg=cfg, attention=attention
+        )
         return out, None
 
     ordinals = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -245,12 +249,13 @@ def _layer(
     sin: jax.Array,
     slots: jax.Array,
     batch: AttentionBatch,
+    lora: jax.Array | None,
     *,
     cfg: ModelConfig,
     attention: Attention,
 ) -> tuple[jax.Array, jax.Array]:
     """One decoder layer: its K/V written into its pages, attention, the MLP."""
-    q, k, v = attention_inputs(lp, x, cfg, cos, sin)
+    q, k, v = attention_inputs(lp, x, cfg, cos, sin, lora)
     pages = attention.write(pages, k, v, slots)
     attn = attention.attend(q, pages, batch, sliding_window=cfg.sliding_window)
-    return layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg), pages
+    return layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg, lora), pages

@@ -289,3 +289,6 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()  # accepted drafts by their position
     weight_bytes: int = 0  # device memory of the params (int8 ones when quantized)
+    # LoRA (vLLM's lora_requests_info): the adapters of running sequences, of waiting ones,
+    # and how many adapters the device pool holds at once (0: LoRA off)
+    lora: tuple[tuple[str, ...], tuple[str, ...], int] = ((), (), 0)

@@ -7,7 +7,8 @@ when ready (its limits, EOS ids, sizes). The serving state (loading, ready, drai
 stopped, failed) is server.lifecycle.Runtime's alone; `drain` is the engine's half of
 its drain (refuse, wait for the open requests, stop). Delegates the open requests
 to the output processor (frontend.output), the seeds and the AddRequest to the input
-step (frontend.input), the process and its sockets to the core handle.
+step (frontend.input), the process and its sockets to the core handle, run-time LoRA
+loads and unloads to frontend.lora_requests.
 
 If the core dies, every open request fails at once, health turns false (`alive`) and
 the failure listeners run (the server exits non-zero).
@@ -20,11 +21,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from engine.core.messages import Failed, FromCore, Log, Outputs, Ready, Stats
+from engine.core.messages import Failed, FromCore, Log, LoraDone, Outputs, Ready, Stats
 from engine.core.process import ProcessConfig
 from engine.types import EngineLimits, EngineStats
 from frontend.core_process import CoreProcess
 from frontend.input import add_request, sample_samplings
+from frontend.lora_requests import LoraRequests
 from frontend.output import OutputProcessor
 from frontend.request import ActiveRequest, RequestFailed, RequestStream
 from frontend.text import TextStreamFactory
@@ -60,6 +62,8 @@ class EngineClient:
             Log: self._on_log,  # type: ignore[dict-item]
             Failed: self._on_failed,  # type: ignore[dict-item]
         }
+        self.loras = LoraRequests(self._core.send, self.add_failure_listener)  # (server.lora)
+        self._handlers[LoraDone] = self.loras.done  # type: ignore[assignment]
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> Ready:
@@ -141,6 +145,7 @@ class EngineClient:
             spec_draft_tokens=stats.spec_draft_tokens,
             spec_accepted_tokens=stats.spec_accepted_tokens,
             spec_accepted_per_position=stats.spec_accepted_per_position,
+            lora=(stats.lora_running, stats.lora_waiting, stats.max_loras),
             weight_bytes=0 if info is None else info.weight_bytes,
         )
 

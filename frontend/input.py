@@ -42,6 +42,7 @@ def add_request(request: ActiveRequest, samplings: tuple[SamplingParams, ...]) -
         ignore_eos=request.ignore_eos,
         prompt_logprobs=_prompt_logprobs(request),
         grammar=_grammar(request.sampling),
+        lora=request.lora,
     )
 
 

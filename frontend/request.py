@@ -60,6 +60,7 @@ class ActiveRequest:
     # token's logprob and the top k alternatives (0 <= k <= MAX_LOGPROBS)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    lora: str = ""  # the LoRA adapter the request names as its model ("": the base model)
 
     def __post_init__(self) -> None:
         if not self.request_id:

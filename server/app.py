@@ -22,6 +22,7 @@ from server.backend import Backend
 from server.config import ServerConfig
 from server.errors import install_error_handlers
 from server.lifecycle import Runtime
+from server.lora import LoraRegistry, add_lora_routes
 from server.metrics import EngineMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
 from server.openapi import document_api
@@ -52,7 +53,12 @@ def create_app(config: ServerConfig, loader: Callable[[], Backend] | None = None
     registry = CollectorRegistry()
     metrics = EngineMetrics(registry, config.model_name, runtime.stats)
     app.state.runtime = runtime  # the probes and the entrypoint's drain read it
-    app.state.served = Served(config, runtime, metrics, text_pool, created=int(time.time()))
+    loras = LoraRegistry(config.model_name, {m.name: m for m in config.lora_modules})
+    app.state.served = Served(
+        config, runtime, metrics, text_pool, created=int(time.time()), loras=loras
+    )
+    if config.enable_runtime_lora_updating:
+        add_lora_routes(app, loras, lambda: runtime.require_ready().engine)
     install_error_handlers(app)
     Instrumentator(registry=registry, excluded_handlers=["/metrics"]).instrument(app).expose(
         app, endpoint="/metrics", include_in_schema=False

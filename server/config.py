@@ -26,6 +26,7 @@ from engine.core.speculation import SpeculativeConfig
 from engine.faults import FaultPlan
 from engine.model_source import DEFAULT_MODEL, DEMO, DEMO_NAME
 from engine.types import KV_CACHE_DTYPES, QUANTIZATIONS
+from server.lora import LoraModule, parse_lora_modules
 from server.tool_parsers import PARSERS as TOOL_PARSERS
 
 ENV_PREFIX = "LLM_SERVER_"
@@ -101,6 +102,14 @@ class ServerConfig:
     num_processes: int = 1
     process_id: int | None = None  # this process's index; needed with num_processes > 1
     distributed_timeout: float = 300.0  # seconds to wait for every process to join
+    # LoRA adapters (vLLM's flags; engine/lora.py, server/lora.py): each served as a model
+    # of its own name, `max_loras` of them on the devices at once.
+    enable_lora: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    enable_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and unload
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -173,6 +182,7 @@ class ServerConfig:
             raise ValueError("a multi-host server is not disaggregated (prefill_devices)")
         if self.speculative_config is not None and self.prefill_devices is not None:
             raise ValueError("speculative_config does not combine with prefill_devices yet")
+        self._check_lora()
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
         self.core_config(model_path="")  # the core's fields, checked by their owner
@@ -195,7 +205,32 @@ class ServerConfig:
             async_scheduling=self.async_scheduling,
             tensor_parallel_size=self.tensor_parallel_size,
             speculative_config=self.speculative_config,
+            # LoRA: the core reads (and checks) each adapter before it is ready
+            max_loras=self.max_loras if self.enable_lora else 0,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            lora_modules=tuple((m.name, str(m.path)) for m in self.lora_modules),
         )
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            for name in ("lora_modules", "enable_runtime_lora_updating"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} needs enable_lora")
+            return
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be >= max_loras ({self.max_loras})")
+        if any(m.name == self.model_name for m in self.lora_modules):
+            raise ValueError(
+                f"a LoRA module may not take the served model's name {self.model_name}"
+            )
+        if self.prefill_devices is not None or self.num_processes > 1:
+            raise ValueError(
+                "enable_lora does not combine with prefill_devices or num_processes yet"
+            )
 
     @property
     def batched_tokens(self) -> int | None:
@@ -358,6 +393,18 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "num_processes": (int, "multi-host: processes in the server (1: one host)"),
     "process_id": (int, "multi-host: this process's index, 0 serves HTTP"),
     "distributed_timeout": (float, "multi-host: seconds to wait for every process to join"),
+    "enable_lora": (_switch, "serve LoRA adapters (vLLM's flag)"),
+    "lora_modules": (
+        parse_lora_modules,
+        'adapters served at start: name=path or {"name", "path", "base_model_name"}, several',
+    ),
+    "max_loras": (int, "LoRA adapters on the devices at once (default 1)"),
+    "max_lora_rank": (int, "the largest LoRA rank served (default 16)"),
+    "max_cpu_loras": (int, "LoRA adapters kept in host memory (default max-loras)"),
+    "enable_runtime_lora_updating": (
+        _switch,
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (server-side paths)",
+    ),
 }
 
 
@@ -384,6 +431,8 @@ def parse_config(
     for name, (convert, help_text) in _FLAGS.items():
         flag = "--" + name.replace("_", "-")
         switch: dict[str, Any] = {"nargs": "?", "const": "true"} if convert is _switch else {}
+        if convert is parse_lora_modules:
+            switch = {"nargs": "+"}  # vLLM's: several adapters after one flag
         parser.add_argument(
             flag, dest=name, default=None, help=f"{help_text} [env {_env(name)}]", **switch
         )

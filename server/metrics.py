@@ -8,6 +8,7 @@ the engine's `stats()` at scrape time, so nothing polls.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -93,6 +94,23 @@ class _StatsCollector(Collector):
         for position, count in enumerate(() if stats is None else stats.spec_accepted_per_position):
             per_position.add_metric(name + [str(position)], count)
         yield per_position
+        if stats is not None and stats.lora[2]:
+            yield _lora_info(name, stats)
+
+
+def _lora_info(name: list[str], stats: EngineStats) -> Metric:
+    """vLLM's lora_requests_info: one series whose labels name the adapters of running and
+    of waiting sequences (comma-separated) and the pool's size, its value the time it was
+    read (the Gateway API inference extension's picker routes by adapter affinity on it)."""
+    running, waiting, max_loras = stats.lora
+    info = GaugeMetricFamily(
+        "llm_lora_requests_info",
+        "LoRA adapters of running and waiting requests, and the most resident at once",
+        labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    labels = [",".join(running), ",".join(waiting), str(max_loras)]
+    info.add_metric(name + labels, time.time())
+    return info
 
 
 class EngineMetrics:

@@ -24,6 +24,29 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """vLLM's LoRA flags: adapters resident on the devices at once, the largest rank a
+    slot holds, and adapters whose arrays stay in host memory."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class CoreConfig:
     """What to load and the shapes to serve it with (vLLM's names where they exist)."""
 
@@ -48,6 +71,10 @@ class CoreConfig:
     async_scheduling: bool = True  # the loop plans step N + 1 while step N runs
     prefill_only: bool = False  # a disaggregated core's prefill set (engine.core.disaggregated)
     attention: str = "auto"  # engine.types.ATTENTION_BACKENDS ("reference": the definition)
+    max_loras: int = 0  # LoRA adapters resident at once (engine.lora); 0: LoRA off
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept as host arrays (None: max_loras)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, folder) loaded at start
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -76,6 +103,12 @@ class CoreConfig:
             )
         if self.speculative_config is not None:
             SpeculativeConfig.parse(self.speculative_config)
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.max_loras == 0 and self.lora_modules:
+            raise ValueError("LoRA modules need max_loras >= 1 (--enable-lora)")
+        if self.max_loras:
+            LoraConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # its checks
         if self.devices is not None and len(self.devices) != self.tensor_parallel_size:
             raise ValueError(
                 f"devices {list(self.devices)} must be tensor_parallel_size "
@@ -94,7 +127,14 @@ class CoreConfig:
         fields = dict(fields)
         if fields.get("devices") is not None:
             fields["devices"] = tuple(fields["devices"])
+        fields["lora_modules"] = tuple(tuple(m) for m in fields.get("lora_modules", ()))
         return cls(**fields)
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        if self.max_loras == 0:
+            return None
+        return LoraConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -123,6 +163,7 @@ class SchedulerConfig:
     max_prefill_seqs: int = 0  # prompt chunks per step (0: as many as the budget takes)
     vocab_size: int = 0  # for allowed_token_ids' masks (0: no masks)
     speculative: SpeculativeConfig | None = None  # drafts for decode rows (None: none)
+    max_loras: int = 0  # LoRA adapters resident at once (engine.core.lora_slots)
     # a disaggregated core's prefill set: prompts only; a sequence leaves for the decode
     # set once its first token is sampled (Scheduler.take_handoffs)
     prefill_only: bool = False

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from engine.attention import KVLayout, attention_backend, attention_layout
 from engine.attention.kv_dtype import storage_dtype
@@ -29,6 +30,7 @@ from engine.core.pages import PagePool, PageStats
 from engine.core.runner import Launched, Runner, StepPlan
 from engine.core.scheduler import Emitted, Scheduler, SequenceState
 from engine.core.speculation import SpecCounters
+from engine.lora import Adapters, empty_pool, with_pool, write_slot, zero_slot
 from engine.mesh import default_mesh, mesh_of, place_checkpoint_params
 from engine.model import Params
 from engine.paged_model import hidden_major_head
@@ -83,6 +85,12 @@ class EngineCore:
         self.chunk_size = chunk
         params = self._params(config.model_path, cfg, platform)
         self.weight_bytes = param_bytes(params)
+        self.adapters: Adapters | None = None
+        if config.lora is not None:  # every adapter named at start read (and checked) now
+            self.adapters = Adapters(cfg, config.lora, config.dtype)
+            for name, folder in config.lora_modules:
+                self.adapters.load(name, folder)
+            params = with_pool(params, empty_pool(cfg, config.lora, config.dtype, self.mesh))
         spec = config.speculative
         draft_cfg, draft_params = None, None
         if spec is not None and spec.model is not None:  # placed before the pages are counted
@@ -132,6 +140,7 @@ class EngineCore:
                 vocab_size=cfg.vocab_size,
                 speculative=spec,
                 prefill_only=config.prefill_only,
+                max_loras=config.max_loras,
             ),
             pool,
             self.draft,
@@ -193,11 +202,15 @@ class EngineCore:
 
     def warmup(self) -> None:
         self.runner.warmup()
+        if self.adapters is not None:  # compiles the slot write (an empty slot's zeros)
+            self.runner.params = write_slot(self.runner.params, 0, zero_slot(self.runner.params))
         if self.draft is not None:
             self.draft.runner.warmup()  # its proposals' steps
             self.draft.runner.warmup_fill()  # following the target's
 
     def add(self, seq: SequenceState) -> None:
+        if seq.adapter and self.adapters is None:
+            raise ValueError("LoRA adapters are not enabled on this core (max_loras is 0)")
         self.scheduler.add(seq)
 
     def abort(self, seq_id: str) -> bool:
@@ -233,7 +246,20 @@ class EngineCore:
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
             spec_accepted_per_position=tuple(spec.accepted_per_position),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """vLLM's lora_requests_info: adapters running, waiting, and the pool's slots."""
+        if self.adapters is None:
+            return {}
+        named = self.adapters.name_of
+        waiting = sorted({s.adapter for s in self.scheduler.waiting} - {0})
+        return {
+            "lora_running": tuple(named(a) for a in self.scheduler.lora.running()),
+            "lora_waiting": tuple(named(a) for a in waiting),
+            "max_loras": self.config.max_loras,
+        }
 
     def step(self) -> list[Emitted]:
         """One scheduled step run on the devices; [] when there is nothing to run."""
@@ -249,6 +275,10 @@ class EngineCore:
         plan = self.scheduler.schedule(ahead)
         if plan is None:
             return None
+        for slot, adapter in plan.lora_writes:
+            assert self.adapters is not None
+            arrays = self.adapters.arrays(adapter)
+            self.runner.params = write_slot(self.runner.params, slot, arrays)
         launched = self.runner.execute(self.runner.prepare(plan))
         if self.draft is not None:
             self.draft.follow(plan)

@@ -129,6 +129,11 @@ class DisaggregatedCore:
         return self.prefill.scheduler.pool.num_pages + self.decode.scheduler.pool.num_pages
 
     @property
+    def adapters(self) -> None:
+        """LoRA adapters are not served disaggregated (server.config refuses the pair)."""
+        return None
+
+    @property
     def handing_over(self) -> tuple[str, ...]:
         """The sequences computed on the prefill set that wait for a decode row, in order."""
         return tuple(seq.seq_id for seq in self._handoffs)

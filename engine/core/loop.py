@@ -3,9 +3,10 @@
 Runs on: the core process's main thread, the only thread that touches the EngineCore
 (scheduler and runner). Owns: the EOS set (the model's and its tokenizer's) and the
 grammar compiler of structured outputs (constraints arrive as specs and are compiled
-here, where the masks are needed). Receives `AddRequest`, `Abort` and `Stop`
-(engine.core.messages) from `receive`; emits one `Outputs` per step that sampled
-anything through `send`.
+here, where the masks are needed). Receives `AddRequest`, `Abort`, `Stop`,
+`LoadLora` and `UnloadLora` (engine.core.messages) from `receive`; emits one `Outputs`
+per step that sampled anything, and a `LoraDone` per adapter loaded or unloaded,
+through `send`.
 
 Each iteration takes every message waiting (blocking only when nothing runs), dispatches
 the next step, then waits for the one dispatched before it and sends its tokens: one step
@@ -29,14 +30,18 @@ from engine.core.messages import (
     Abort,
     AddRequest,
     FromCore,
+    LoadLora,
+    LoraDone,
     Outputs,
     Stats,
     Stop,
     ToCore,
     TokenOut,
+    UnloadLora,
 )
 from engine.core.scheduler import Emitted, SequenceState
 from engine.faults import InjectedFault
+from engine.lora import Adapters
 from engine.types import EngineLimits, TokenConstraint, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -80,6 +85,8 @@ class Core(Protocol[P]):
     def add(self, seq: SequenceState) -> None: ...
     def abort(self, seq_id: str) -> bool: ...
     def stats(self, steps: int) -> Stats: ...
+    @property
+    def adapters(self) -> Adapters | None: ...
 
 
 class CoreLoop(Generic[P]):
@@ -141,12 +148,29 @@ class CoreLoop(Generic[P]):
         elif isinstance(message, Abort):
             for request_id, index in message.samples:
                 self._core.abort(seq_id(request_id, index))
+        elif isinstance(message, LoadLora | UnloadLora):
+            self._send(self._lora(message))
         elif isinstance(message, AddRequest):
             try:
                 self._add(message)
             except ValueError as exc:  # this request's data; the core goes on
                 return message.request_id, str(exc)
         return None
+
+    def _lora(self, message: LoadLora | UnloadLora) -> LoraDone:
+        """Load or unload an adapter between steps (a load reads its folder here: the
+        steps wait for it, as vLLM's do)."""
+        adapters, loading = self._core.adapters, isinstance(message, LoadLora)
+        try:
+            if adapters is None:
+                raise ValueError("LoRA adapters are not enabled (--enable-lora)")
+            if isinstance(message, LoadLora):
+                adapters.load(message.name, message.path)
+            else:
+                adapters.unload(message.name)
+        except ValueError as exc:  # the adapter's files or name; the core goes on
+            return LoraDone(message.name, loading, str(exc))
+        return LoraDone(message.name, loading)
 
     def _add(self, request: AddRequest) -> None:
         """The request's sequences, or ValueError (a rejection: 400) when its prompt does
@@ -160,6 +184,10 @@ class CoreLoop(Generic[P]):
             constraint = self._compile_grammar(request.grammar.kind, request.grammar.text)
         stop = frozenset(request.stop_token_ids)
         eos = frozenset() if request.ignore_eos else self.eos_token_ids
+        adapters = self._core.adapters
+        if adapters is None and request.lora:
+            raise ValueError(f"The model `{request.lora}` does not exist.")
+        adapter = 0 if adapters is None else adapters.resolve(request.lora)
         seqs = []
         for index, sample in enumerate(request.samples):
             sampling = sample.params()
@@ -175,6 +203,7 @@ class CoreLoop(Generic[P]):
                     stop_token_ids=stop,
                     eos_token_ids=eos,
                     prompt_logprobs=request.prompt_logprobs,
+                    adapter=adapter,
                 )
             )
         for seq in seqs:

@@ -85,12 +85,26 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
     ignore_eos: bool = False
+    lora: str = ""  # the LoRA adapter's name ("": the base model)
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
     """End these samples (request id, sample index) wherever they are."""
 
     samples: tuple[tuple[str, int], ...]
+
+
+class LoadLora(msgspec.Struct, frozen=True, tag=True):
+    """Read a LoRA adapter's folder (on the core's host) and serve it as `name`."""
+
+    name: str
+    path: str
+
+
+class UnloadLora(msgspec.Struct, frozen=True, tag=True):
+    """No new request may name the adapter; those running with it finish."""
+
+    name: str
 
 
 class Stop(msgspec.Struct, frozen=True, tag=True):
@@ -133,6 +147,9 @@ class Stats(msgspec.Struct, frozen=True):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    lora_running: tuple[str, ...] = ()  # adapters of running sequences (engine.lora)
+    lora_waiting: tuple[str, ...] = ()  # adapters of waiting ones
+    max_loras: int = 0
 
 
 class Outputs(msgspec.Struct, frozen=True, tag=True):
@@ -151,6 +168,14 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
     weight_bytes: int = 0  # the params' (after quantization)
 
 
+class LoraDone(msgspec.Struct, frozen=True, tag=True):
+    """The answer to LoadLora (`loaded`) or UnloadLora: `error` says why it failed."""
+
+    name: str
+    loaded: bool
+    error: str | None = None
+
+
 class Failed(msgspec.Struct, frozen=True, tag=True):
     error: str
 
@@ -162,8 +187,8 @@ class Log(msgspec.Struct, frozen=True, tag=True):
     traceback: str | None = None
 
 
-ToCore = AddRequest | Abort | Stop
-FromCore = Ready | Outputs | Failed | Log
+ToCore = AddRequest | Abort | Stop | LoadLora | UnloadLora
+FromCore = Ready | Outputs | Failed | Log | LoraDone
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

@@ -30,6 +30,12 @@ from dataclasses import dataclass
 ROOT_KEY = b""  # the parent key of a prompt's first block
 
 
+def root_key(adapter: int) -> bytes:
+    """The parent key of the first block of a sequence with LoRA adapter `adapter` (its
+    id, engine.lora.Adapters; 0: none): a cached block is never shared across adapters."""
+    return ROOT_KEY if adapter == 0 else b"lora:%d" % adapter
+
+
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The chain key of a block: blake2b-128 over the parent key and the ids as little-endian
     int64, the same in every process and on every host."""
@@ -84,9 +90,9 @@ class PagePool:
         """How many sequences hold `page`."""
         return self._refs[page]
 
-    def match_prefix(self, tokens: Sequence[int]) -> list[int]:
+    def match_prefix(self, tokens: Sequence[int], root: bytes = ROOT_KEY) -> list[int]:
         """The pages of the longest run of the prompt's leading blocks that are cached, each
-        now referenced once more.
+        now referenced once more (`root`: the chain's first parent key, root_key's).
 
         A prompt of whole pages never matches its last one: at least one token is
         computed, because the step needs its logits.
@@ -95,7 +101,7 @@ class PagePool:
             return []
         size = self.page_size
         found: list[int] = []
-        key = ROOT_KEY
+        key = root
         for start in range(0, (len(tokens) - 1) // size * size, size):
             key = block_key(key, tokens[start : start + size])
             page = self._page_of.get(key)
@@ -125,7 +131,11 @@ class PagePool:
         return pages
 
     def register(
-        self, pages: Sequence[int], tokens: Sequence[int], length: int | None = None
+        self,
+        pages: Sequence[int],
+        tokens: Sequence[int],
+        length: int | None = None,
+        root: bytes = ROOT_KEY,
     ) -> None:
         """Record that the sequence whose page table is `pages` holds the KV of the first
         `length` (default all) of `tokens` (positions 0 on): each full page gets its block
@@ -142,7 +152,7 @@ class PagePool:
         known = full
         while known > 0 and pages[known - 1] not in self._key_of:
             known -= 1
-        key = self._key_of[pages[known - 1]] if known else ROOT_KEY
+        key = self._key_of[pages[known - 1]] if known else root
         for index in range(known, full):
             page = pages[index]
             if not 0 <= page < self.num_pages or self._refs[page] == 0:

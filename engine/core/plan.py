@@ -34,6 +34,7 @@ class RowWork:
     drafts: tuple[int, ...] = ()  # speculation: tokens to verify after its one decode token
     draft_allowed: tuple[np.ndarray, ...] = ()  # ...with a grammar: each draft row's mask
     carry: int = -1  # scheduled ahead: its one token is row `carry` of the step before's
+    lora: int = -1  # its LoRA adapter's slot in the pool (engine.lora.NO_ADAPTER: none)
 
     @property
     def sample_rows(self) -> int:
@@ -44,6 +45,8 @@ class RowWork:
 @dataclass(frozen=True)
 class StepPlan:
     rows: tuple[RowWork, ...]
+    # LoRA adapters to write into pool slots before the step: (slot, adapter id)
+    lora_writes: tuple[tuple[int, int], ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -62,6 +65,14 @@ class StepPlan:
             at += len(r.chunk.tokens) + len(r.drafts)
             row += r.sample_rows
         return tuple(starts), tuple(rows)
+
+    def lora_slots(self, tokens: int) -> np.ndarray:
+        """Each of `tokens` (the padded step's) adapter slot: its row's, drafts included;
+        padding none."""
+        out = np.full(tokens, -1, np.int32)
+        for start, r in zip(self.offsets()[0], self.rows, strict=True):
+            out[start : start + len(r.chunk.tokens) + len(r.drafts)] = r.lora
+        return out
 
     def chunks(self) -> list[Chunk]:
         """The step's sequences as attention sees them: a speculating row's decode token and

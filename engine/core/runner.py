@@ -362,6 +362,8 @@ class Runner:
             page_size=layout.page_size,
             num_pages=layout.num_pages,
         )
+        if "lora_a_wqkv" in self.params["layers"]:  # adapters served: each token's slot
+            batch = dataclasses.replace(batch, lora=plan.lora_slots(tokens))
         real = plan.sample_rows
         rows = np.full(seqs, self.max_num_seqs, np.int32)  # padding: past the table
         emits = np.zeros(seqs, bool)

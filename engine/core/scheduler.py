@@ -1,34 +1,34 @@
 """The scheduler: every decision of the engine core, one step at a time.
 
-Runs on: the engine core's loop thread (single-threaded: it is the only code that
-reads or writes the state below). Owns: the waiting queue, the running sequences,
-their pages (through engine.core.pages.PagePool, whose prefix cache it feeds), their
-device rows, token budgets, stop by length or stop token, structured outputs' matchers
-and masks, and preemption.
-Receives: `add` and `abort`, and each step's `StepResult`. Emits: a `StepPlan` per
-step (engine.core.runner) and `Emitted` events, one per sampled token, in order.
+Runs on: the engine core's loop thread (single-threaded: it is the only code that reads or
+writes the state below). Owns: the waiting queue, the running sequences, their pages
+(through engine.core.pages.PagePool, whose prefix cache it feeds, keyed by LoRA adapter),
+their device rows and their adapters' pool slots (engine.core.lora_slots), token budgets,
+stop by length or stop token, structured outputs' matchers and masks, and preemption.
+Receives: `add` and `abort`, and each step's `StepResult`. Emits: a `StepPlan` per step
+(engine.core.runner) and `Emitted` events, one per sampled token, in order.
 
-Each step: every running sequence with a token to feed is a decode row (one query);
-then prompt chunks, running ones first, then new sequences in arrival order, as far
-as `max_num_batched_tokens` and `max_prefill_seqs` go. A prompt is computed in chunks
-of `chunk_size` positions aligned from position 0 (a prefix-cache hit skips whole
-pages; the chunk after it ends on the same boundary a fresh prompt's would), so decode
-rows are never stalled for more than one chunk's worth of tokens. Out of pages, the
-sequence admitted last is preempted: its pages and row are released and it waits at
-the front of the queue, to be computed again from its prompt and the tokens it has
-(vLLM's recompute policy; the prompt in its chunks, each token it had as a decode row
-again, so no bit changes): a client never sees it.
+Each step: every running sequence with a token to feed is a decode row (one query); then
+prompt chunks, running ones first, then new sequences in arrival order (passing over one
+whose adapter waits for a pool slot), as far as `max_num_batched_tokens` and
+`max_prefill_seqs` go. A prompt is computed in chunks of `chunk_size` positions aligned from
+position 0 (a prefix-cache hit skips whole pages; the chunk after it ends on the same
+boundary a fresh prompt's would), so decode rows are never stalled for more than one chunk's
+worth of tokens. Out of pages, the sequence admitted last is preempted: its pages and row
+are released and it waits at the front of the queue, to be computed again from its prompt
+and the tokens it has (vLLM's recompute policy; the prompt in its chunks, each token it had
+as a decode row again, so no bit changes): a client never sees it.
 
-With one step in flight (`schedule(ahead=True)`), the next step is planned from what the
-one in flight will leave: each sequence's `ahead` positions and `owed` token count until
-`update` takes that step, and a row that feeds an owed token names its row of the step
-in flight (`RowWork.carry`), read on the device. Steps are updated in the order planned;
-a row of a sequence that ended in between (a stop token, an abort) is dropped.
+With one step in flight (`schedule(ahead=True)`), the next step is planned from what the one
+in flight will leave: each sequence's `ahead` positions and `owed` token count until
+`update` takes that step, and a row that feeds an owed token names its row of the step in
+flight (`RowWork.carry`), read on the device. Steps are updated in the order planned; a row
+of a sequence that ended in between (a stop token, an abort) is dropped.
 
-Disaggregated (engine.core.disaggregated): a `prefill_only` scheduler plans prompt
-chunks only and lets each sequence go, pages and all, once its first token is sampled
-(`take_handoffs`); the decode set's scheduler `adopt`s it as a running sequence whose
-next step is its first decode row, its row's penalty counts rebuilt from its tokens.
+Disaggregated (engine.core.disaggregated): a `prefill_only` scheduler plans prompt chunks
+only and lets each sequence go, pages and all, once its first token is sampled
+(`take_handoffs`); the decode set's scheduler `adopt`s it as a running sequence whose next
+step is its first decode row, its row's penalty counts rebuilt from its tokens.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from dataclasses import replace
 import numpy as np
 
 from engine.core.config import SchedulerConfig
-from engine.core.pages import PagePool
+from engine.core.lora_slots import LoraSlots
+from engine.core.pages import PagePool, root_key
 from engine.core.plan import RowWork, StepPlan, StepResult
 from engine.core.rules import advance_grammar, budget_spent, finish_reason
 from engine.core.sequence import Emitted, SequenceState
@@ -79,6 +80,7 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # in admission order
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.lora = LoraSlots(config.max_loras)  # adapters' pool slots
         # the steps dispatched and not yet updated, oldest first (at most 2: the one the
         # loop waits for, and the one it scheduled ahead)
         self._inflight: deque[tuple[StepPlan, list[SequenceState]]] = deque()
@@ -121,10 +123,10 @@ class Scheduler:
 
     def adopt(self, seq: SequenceState, pages: list[int]) -> bool:
         """Run a sequence whose prompt was computed and first token sampled on another
-        scheduler (a disaggregated core's prefill set), with its grammar's state and
-        tokens, its K/V already copied into `pages` of this pool (held for it): its next
-        step is a decode row, as it would have been there. False (nothing changes) when
-        no row is free, or sequences wait here (they go first)."""
+        scheduler (a disaggregated core's prefill set), with its grammar's state and tokens,
+        its K/V already copied into `pages` of this pool (held for it): its next step is a
+        decode row, as it would have been there. False (nothing changes) when no row is
+        free, or sequences wait here (they go first)."""
         if not self.can_adopt:
             return False
         seq.row = self._free_rows.pop()
@@ -152,18 +154,17 @@ class Scheduler:
     def schedule(self, ahead: bool = False) -> StepPlan | None:
         """The next step's plan (None: nothing to run).
 
-        `ahead`: the step in flight has not been updated yet; plan the next one from what
-        it will leave (its sequences' next positions, a sampled token in place of each
-        one it owes, that token read on the device: `RowWork.carry`). None whenever that
-        plan would need what the step in flight decides: preemption, a grammar's mask
-        after its token, speculation, or a sequence whose token there may be its last.
+        `ahead`: the step in flight has not been updated yet; plan the next one from what it
+        will leave (its sequences' next positions, a sampled token in place of each one it
+        owes, that token read on the device: `RowWork.carry`). None whenever that plan would
+        need what the step in flight decides: preemption, a grammar's mask after its token,
+        speculation, or a sequence whose token there may be its last.
 
         Running sequences keep their place by preempting the latest admitted ones not yet
         planned this step; a running prompt that still cannot get pages holds back new
-        admissions (they would take the pages it waits for). So whenever a sequence runs
-        or waits, the step has work: the oldest running sequence can always preempt every
-        later one, and one max_model_len sequence fits the pool (checked at start).
-        """
+        admissions (they would take the pages it waits for). So whenever a sequence runs or
+        waits, the step has work: the oldest running sequence can always preempt every later
+        one, and one max_model_len sequence fits the pool (checked at start)."""
         carries: dict[int, int] = {}
         if ahead:
             if self.speculator is not None or len(self._inflight) != 1:
@@ -209,14 +210,16 @@ class Scheduler:
             planned.append(seq)
             budget -= n
             chunks -= 1
-        while not blocked and self.waiting and self._free_rows and budget > 0 and chunks > 0:
-            seq = self.waiting[0]
+        while not blocked and self._free_rows and budget > 0 and chunks > 0:
+            if (waiting := self.lora.first(self.waiting)) is None:
+                break  # none, or each one's adapter waits for a pool slot
+            seq = waiting
             self._match(seq)
             n = self._chunk(seq)
             if n > budget or not self._reserve(seq, seq.computed + n, None):
                 self._unmatch(seq)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.row = self._free_rows.pop()
             if seq.scheduled is None:
                 seq.scheduled = time.monotonic()
@@ -231,7 +234,7 @@ class Scheduler:
             if self.busy and not ahead:
                 raise RuntimeError("the scheduler planned nothing while sequences wait")
             return None
-        plan = StepPlan(tuple(work))
+        plan = StepPlan(tuple(work), self.lora.take_writes())
         for seq, row in zip(planned, work, strict=True):
             seq.ahead += len(row.chunk.tokens)
             seq.owed += int(row.emits)
@@ -253,7 +256,7 @@ class Scheduler:
                 events += self._verify(seq, work, result, result.sample_rows[i])
                 continue
             seq.computed += len(work.chunk.tokens)
-            self.pool.register(seq.pages, seq.tokens, seq.computed)
+            self.pool.register(seq.pages, seq.tokens, seq.computed, root_key(seq.adapter))
             if work.prompt_next:
                 seq.prompt_entries += result.prompt_entries(i, work)
             if work.emits:
@@ -315,16 +318,14 @@ class Scheduler:
                 self._finish(seq)
                 return events
         seq.computed += accepted + 1
-        self.pool.register(seq.pages, seq.tokens, seq.computed)
+        self.pool.register(seq.pages, seq.tokens, seq.computed, root_key(seq.adapter))
         self._trim(seq, len(seq.tokens))
         return events
 
     def _hand_off(self, seq: SequenceState) -> None:
         """Out of running, its row free, its pages still its own (take_handoffs)."""
         self.running.remove(seq)
-        if seq.row is not None:
-            self._free_rows.append(seq.row)
-            seq.row = None
+        self._release(seq, pages=False)
         self._handoffs.append(seq)
 
     def _finish(self, seq: SequenceState) -> None:
@@ -425,7 +426,8 @@ class Scheduler:
             allowed=seq.mask,
             prompt_next=prompt_next,
             prompt_top=seq.prompt_logprobs or 0,
-            carry=carry,
+            carry=carry,  # admitted (fresh): its adapter takes a pool slot now
+            lora=self.lora.acquire(seq.adapter) if fresh else self.lora.slot(seq.adapter),
         )
 
     def _reserve(
@@ -464,7 +466,7 @@ class Scheduler:
         if seq.computed == 0 and not seq.pages:
             if seq.wants_prompt_logprobs:
                 return  # every prompt position's logits are needed: no hit may skip one
-            seq.pages = self.pool.match_prefix(seq.tokens)
+            seq.pages = self.pool.match_prefix(seq.tokens, root_key(seq.adapter))
             last = len(seq.prompt) - 1
             if len(seq.pages) * self.pool.page_size == last and last % self.config.chunk_size:
                 # One prompt position left would run as a decode row, computed without the
@@ -490,10 +492,11 @@ class Scheduler:
             self.prefix_hits -= seq.cached_tokens
         seq.cached_tokens = 0
 
-    def _release(self, seq: SequenceState) -> None:
-        if seq.pages:
+    def _release(self, seq: SequenceState, pages: bool = True) -> None:
+        if pages and seq.pages:  # a sequence handed off keeps them
             self.pool.free(seq.pages)
-        seq.pages = []
+            seq.pages = []
         if seq.row is not None:
             self._free_rows.append(seq.row)
+            self.lora.release(seq.adapter)
             seq.row = None

@@ -43,6 +43,7 @@ class SequenceState:  # identities, never every field of two sequences
     prompt_entries: list[TokenLogprobs | None] = field(default_factory=list)
     accepted_average: float = MAX_SPECULATIVE_TOKENS  # speculation: drafts it has accepted
     recount: bool = False  # sampled on another device set: its row's counts are rebuilt
+    adapter: int = 0  # its LoRA adapter's id (engine.lora.Adapters; 0: the base model)
 
     def __post_init__(self) -> None:
         self._tokens = list(self.prompt) + self.output  # prompt then output, grown in place

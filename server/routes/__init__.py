@@ -19,6 +19,7 @@ from fastapi import Request
 
 from server.config import ServerConfig
 from server.lifecycle import Runtime
+from server.lora import LoraRegistry
 from server.metrics import EngineMetrics
 
 T = TypeVar("T")
@@ -35,6 +36,7 @@ class Served:
     # they run here, never on the event loop, so streams and probes keep their latency.
     text_pool: ThreadPoolExecutor
     created: int  # the model card's `created` (the app's start, unix seconds)
+    loras: LoraRegistry  # the LoRA adapters served (server.lora)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)

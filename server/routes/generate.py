@@ -24,6 +24,7 @@ from server.backend import Backend
 from server.errors import bad_request, validation_error
 from server.generation import Generation, Shaper, log_of, until_disconnect
 from server.jsonbody import StrictJSONRoute
+from server.lora import select, with_adapter
 from server.params import GenerationPlan, plan_completion
 from server.protocol import (
     BatchChatCompletionRequest,
@@ -57,14 +58,16 @@ INVOCATION_BODY = {
 
 async def planned(
     app: Served, planner: Callable[..., GenerationPlan], body: Any, id_prefix: str
-) -> tuple[Backend, GenerationPlan, str]:
-    """The ready backend, the request's plan (made off the event loop) and a new id."""
+) -> tuple[Backend, GenerationPlan, str, str]:
+    """The ready backend, the request's plan (made off the event loop), a new id and the
+    model the response names (a LoRA adapter's name, server.lora)."""
     backend = app.runtime.require_ready()
     response_id = f"{id_prefix}{uuid.uuid4().hex}"
+    body, model = select(app.loras, body)
     plan = await app.off_loop(
         planner, response_id, body, backend.tokenizer, app.config, backend.limits
     )
-    return backend, plan, response_id
+    return backend, with_adapter(plan, model, app.loras), response_id, model
 
 
 async def respond(
@@ -87,10 +90,8 @@ async def respond(
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, app: App) -> Response:
-    backend, plan, response_id = await planned(app, plan_completion, body, "cmpl-")
-    shaper = completions.CompletionShaper(
-        plan, backend.tokenizer, app.config.model_name, response_id
-    )
+    backend, plan, response_id, model = await planned(app, plan_completion, body, "cmpl-")
+    shaper = completions.CompletionShaper(plan, backend.tokenizer, model, response_id)
     return await respond(app, request, backend, plan, shaper)
 
 
@@ -98,8 +99,8 @@ async def create_completion(body: CompletionRequest, request: Request, app: App)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, app: App
 ) -> Response:
-    backend, plan, response_id = await planned(app, chat.plan_chat, body, "chatcmpl-")
-    shaper = chat.ChatShaper(plan, backend.tokenizer, app.config.model_name, response_id)
+    backend, plan, response_id, model = await planned(app, chat.plan_chat, body, "chatcmpl-")
+    shaper = chat.ChatShaper(plan, backend.tokenizer, model, response_id)
     return await respond(app, request, backend, plan, shaper)
 
 
@@ -107,8 +108,8 @@ async def create_chat_completion(
 async def create_batch_chat_completion(
     body: BatchChatCompletionRequest, request: Request, app: App
 ) -> Response:
-    backend, plan, response_id = await planned(app, chat.plan_batch_chat, body, "chatcmpl-")
-    shaper = chat.ChatShaper(plan, backend.tokenizer, app.config.model_name, response_id)
+    backend, plan, response_id, model = await planned(app, chat.plan_batch_chat, body, "chatcmpl-")
+    shaper = chat.ChatShaper(plan, backend.tokenizer, model, response_id)
     return await respond(app, request, backend, plan, shaper)
 
 
@@ -133,8 +134,8 @@ async def invocations(request: Request, app: App) -> Response:
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, app: App) -> Response:
-    backend, plan, response_id = await planned(app, responses.plan_response, body, "resp_")
-    shaper = responses.ResponsesShaper(plan, body, app.config.model_name, response_id)
+    backend, plan, response_id, model = await planned(app, responses.plan_response, body, "resp_")
+    shaper = responses.ResponsesShaper(plan, body, model, response_id)
     if not plan.stream:
         return await respond(app, request, backend, plan, shaper)
     generation = Generation(app.runtime, backend, plan, app.metrics, log_of(request))

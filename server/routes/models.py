@@ -1,4 +1,4 @@
-"""/v1/models and /v1/models/{id}: the one model served, OpenAI's model card.
+"""/v1/models and /v1/models/{id}: the model served and its LoRA adapters, OpenAI's cards.
 
 Receives a model id (or none); emits the card, or a 404 naming an unknown model.
 """
@@ -30,13 +30,20 @@ def model_card(app: Served) -> dict[str, Any]:
     }
 
 
+def lora_card(app: Served, name: str) -> dict[str, Any]:
+    return app.loras.card(app.loras.modules[name], app.created, model_card(app)["max_model_len"])
+
+
 @router.get("/v1/models")
 async def list_models(app: Annotated[Served, Depends(served)]) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(app)]}
+    cards = [model_card(app), *(lora_card(app, name) for name in list(app.loras.modules))]
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, app: Annotated[Served, Depends(served)]) -> dict[str, Any]:
+    if model_id in app.loras.modules:
+        return lora_card(app, model_id)
     if model_id != app.config.model_name:
         raise APIError(
             404,

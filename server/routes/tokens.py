@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends
 
 from server import tokenizing
 from server.jsonbody import StrictJSONRoute
+from server.lora import select
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.routes import Served, served
 
@@ -24,6 +25,7 @@ async def tokenize(
     body: TokenizeRequest, app: Annotated[Served, Depends(served)]
 ) -> dict[str, Any]:
     backend = app.runtime.require_ready()
+    body, _ = select(app.loras, body)  # an adapter tokenizes as its base model
     return await app.off_loop(
         tokenizing.tokenize, body, backend.tokenizer, app.config.model_name, backend.limits
     )
@@ -34,6 +36,7 @@ async def detokenize(
     body: DetokenizeRequest, app: Annotated[Served, Depends(served)]
 ) -> dict[str, Any]:
     backend = app.runtime.require_ready()
+    body, _ = select(app.loras, body)
     return await app.off_loop(tokenizing.detokenize, body, backend.tokenizer, app.config.model_name)
 
 

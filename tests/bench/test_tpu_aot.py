@@ -25,6 +25,10 @@ QUANT_DECODE_RATIO = 1.6  # int8 weights: sampling's passes weigh more beside th
 # kv heads a row of lanes) doubles them and whole blocks of positions add the rest; a
 # decode row multiplied against its block's other rows' KV would be 16x here.
 ATTENTION_FLOPS_RATIO = 2.5
+# A LoRA pool of 4 rank-16 slots over the base program's bytes (2 layers of the 1B shape,
+# measured: decode 1.02, the 1,024-token prompt 1.13: its (tokens, slots, rank) products)
+LORA_DECODE_OVER_BASE = 1.05
+LORA_PREFILL_OVER_BASE = 1.2
 
 
 def run(config: str, topology: str, tp: int, programs: str, *extra: str) -> dict:
@@ -109,3 +113,20 @@ def test_int8_weights_halve_the_bytes_a_decode_step_reads() -> None:
         assert p["bytes_accessed"] < base[key]["bytes_accessed"], key
     one = ("decode-1", "greedy", "full")
     assert programs[one]["bytes_accessed"] <= 0.56 * base[one]["bytes_accessed"]
+
+
+def test_the_step_with_a_lora_pool_compiles_and_states_its_bytes_over_the_base() -> None:
+    """--lora: a pool of 4 rank-16 adapters (the defaults) beside the 1B shape's layers;
+    every program compiles and fits, and reads a little more than the base program."""
+    report = run("1b", "v5e:2x2", 1, "decode,prefill", "--lora")
+    assert (report["setup"]["max_loras"], report["setup"]["max_lora_rank"]) == (4, 16)
+    for p in report["programs"]:
+        assert p["compiled"] and p["error"] is None, (p["name"], p["error"])
+        assert p["ratio"] >= 1.0 and p["time_ratio"] >= 1.0
+    over = report["lora_over_base"]
+    assert len(over) == len(report["programs"])
+    for entry in over:
+        bound = (
+            LORA_PREFILL_OVER_BASE if entry["name"].startswith("prefill") else LORA_DECODE_OVER_BASE
+        )
+        assert 1.0 < entry["over_base"] <= bound, entry

@@ -308,3 +308,14 @@ def test_a_follower_whose_process_0_goes_away_ends_1(folder: Path) -> None:
     assert outcome == [1]
     outcome = follow_in_thread([frame(Stop())])  # before any Setup
     assert len(outcome) == 1 and isinstance(outcome[0], ChannelError)
+
+
+def test_a_step_calls_lora_slots_cross_the_wire(call: StepCall) -> None:
+    """Each token's LoRA slot (engine.lora) reaches a follower as process 0 built it."""
+    slots = np.arange(call.tokens, dtype=np.int32) % 3 - 1
+    with_lora = dataclasses.replace(call, batch=dataclasses.replace(call.batch, lora=slots))
+    message, _ = through_socket(frame(Step.of(with_lora)))
+    assert isinstance(message, Step)
+    got = message.call().batch.lora
+    assert got is not None and got.dtype == slots.dtype and got.tobytes() == slots.tobytes()
+    assert message.call().batch.tokens.tobytes() == np.asarray(call.batch.tokens).tobytes()

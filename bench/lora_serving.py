@@ -1,0 +1,168 @@
+"""LoRA serving benchmark: the base model alone against adapters mixed evenly, one server.
+
+Run from the repository root, on a quiet machine (the figures are ratios of one run):
+
+    python -m bench.lora_serving --model CHECKPOINT --adapters 4 --concurrency 32 \
+        --requests 128 --rounds 3 --out lora.json
+
+Owns: writing `--adapters` random PEFT adapters (rank `--rank`, every projection) for the
+checkpoint, starting our server once with all of them (`--enable-lora`, `--max-loras`
+= the adapter count, run-time loading on), then `--rounds` rounds, each sending the same
+requests twice in turn (the first rotating): to the base model at `--concurrency`, and
+to the adapters, a share each at `--concurrency / adapters` (so `--concurrency` in flight
+together, every batch mixing them). Reports output tokens/s of each, per round and
+pooled, lora / base (the issue's bar: >= 0.8 at 4 adapters and c = 32), and the seconds a
+run-time load of an adapter takes (POST /v1/load_lora_adapter, then unloaded; the median
+of `--loads`). Nothing is sent but to this machine's loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench import servers
+from bench.loadgen import RunResult, Target, run_requests, vocabulary_of
+from bench.workload import Length, RequestSpec, Workload, build_requests
+from engine.config import load_model_config
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(model: Path, folder: Path, rank: int, seed: int) -> Path:
+    """A random PEFT adapter of `model` (every projection, rank `rank`) in `folder`."""
+    from safetensors.numpy import save_file
+
+    cfg = load_model_config(model)
+    rng = np.random.default_rng(seed)
+    kv = cfg.kv_size // cfg.kv_replicas
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes = {  # (in, out) of each projection
+        "q_proj": (h, cfg.q_size), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (cfg.q_size, h),
+        "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+    }  # fmt: skip
+    tensors = {}
+    for i in range(cfg.num_layers):
+        for target, (n_in, n_out) in shapes.items():
+            where = "self_attn" if target in TARGETS[:4] else "mlp"
+            name = f"base_model.model.model.layers.{i}.{where}.{target}"
+            a = rng.normal(0, 1 / np.sqrt(n_in), (rank, n_in)).astype(np.float32)
+            tensors[f"{name}.lora_A.weight"] = a
+            tensors[f"{name}.lora_B.weight"] = rng.normal(0, 0.01, (n_out, rank)).astype(np.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
+    (folder / "adapter_config.json").write_text(json.dumps(config | {"peft_type": "LORA"}))
+    return folder
+
+
+def tokens_per_s(results: list[RunResult], wall_s: float) -> tuple[float, int]:
+    """Output tokens/s over the wall time of runs sent together, and their failures."""
+    records = [r for result in results for r in result.records]
+    failed = sum(1 for r in records if r.error)
+    return sum(r.output_tokens for r in records) / wall_s, failed
+
+
+async def send(
+    base_url: str, models: list[str], specs: list[RequestSpec], concurrency: int
+) -> dict:
+    """`specs` split evenly over `models`, each share at its part of `concurrency`."""
+    per = max(1, concurrency // len(models))
+    shares = [specs[i :: len(models)] for i in range(len(models))]
+    started = time.perf_counter()
+    results = await asyncio.gather(
+        *(
+            run_requests(Target(base_url, m), share, concurrency=per, deadline_s=1800.0)
+            for m, share in zip(models, shares, strict=True)
+        )
+    )
+    wall = time.perf_counter() - started
+    rate, failed = tokens_per_s(list(results), wall)
+    return {"models": models, "output_tokens_per_s": rate, "failed": failed, "wall_s": wall}
+
+
+def load_seconds(base_url: str, name: str, path: Path, count: int) -> list[float]:
+    """Seconds of each of `count` run-time loads of the adapter (each unloaded after)."""
+    out = []
+    with httpx.Client(base_url=base_url, timeout=600) as client:
+        for _ in range(count):
+            begun = time.perf_counter()
+            loaded = client.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+            )
+            out.append(time.perf_counter() - begun)
+            loaded.raise_for_status()
+            client.post("/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    adapters = {
+        f"lora{i}": write_adapter(args.model, args.adapter_dir / f"lora{i}", args.rank, i)
+        for i in range(args.adapters)
+    }
+    spec = servers.ours(args.dtype)
+    extra = ("--enable-lora", "--max-loras", str(args.adapters), "--max-lora-rank", str(args.rank),
+             "--enable-runtime-lora-updating", "--lora-modules",
+             *(f"{n}={p}" for n, p in adapters.items()))  # fmt: skip
+    spec = servers.ServerSpec(spec.name, (*spec.argv, *extra), spec.ready_path, spec.env)
+    prompt, output = args.prompt_tokens, args.output_tokens
+    workload = Workload("lora", Length(prompt, prompt), Length(output, output))
+    specs = build_requests(workload, args.requests, vocabulary_of(args.model), seed=0)
+    rounds = []
+    with servers.started(spec, args.model, "base", args.concurrency, args.context) as server:
+        v1 = server.base_url + "/v1"
+        asyncio.run(send(v1, ["base", *adapters], specs[: args.concurrency], args.concurrency))
+        for r in range(args.rounds):
+            order = [["base"], list(adapters)]
+            if r % 2:
+                order.reverse()
+            runs = {tuple(m): asyncio.run(send(v1, m, specs, args.concurrency)) for m in order}
+            base, lora = runs[("base",)], runs[tuple(adapters)]
+            ratio = lora["output_tokens_per_s"] / base["output_tokens_per_s"]
+            rounds.append({"base": base, "lora": lora, "lora_over_base": ratio})
+        loads = load_seconds(server.base_url, "extra", adapters["lora0"], args.loads)
+    ratios = [r["lora_over_base"] for r in rounds]
+    return {
+        "setup": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        | {"model": args.model.name, "adapter_dir": None},
+        "rounds": rounds,
+        "lora_over_base_median": statistics.median(ratios),
+        "load_s": loads,
+        "load_s_median": statistics.median(loads),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, required=True, help="checkpoint folder")
+    parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=128, help="per run")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--context", type=int, default=1024, help="max model length")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--loads", type=int, default=5, help="run-time loads timed")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--adapter-dir", type=Path, required=True, help="where adapters go")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    report = run(args)
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: report[k] for k in ("lora_over_base_median", "load_s_median")}))
+    return report
+
+
+if __name__ == "__main__":
+    main()
