@@ -8,6 +8,7 @@ itself.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,13 +68,29 @@ def load_core(config: ServerConfig, text_streams: TextStreamFactory) -> EngineCl
 
 def load_backend(config: ServerConfig) -> Backend:
     """Load, warm up and start; raises on any failure (the runtime reports it)."""
-    from frontend.text import text_streams
+    from frontend.text import Detokenizer, text_streams
     from tokenization import Tokenizer
 
     path = model_path(config)
     template = config.chat_template.read_text(encoding="utf-8") if config.chat_template else None
-    tokenizer = Tokenizer.from_folder(path, chat_template=template)
-    client = load_core(config, text_streams(tokenizer.detokenizer))
+    # The tokenizer loads (seconds: transformers' import) while the core process starts
+    # and warms up; a request needs it only once both are done.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        loading = pool.submit(Tokenizer.from_folder, path, chat_template=template)
+
+        def detokenizer(ids: tuple[int, ...], skip_special: bool) -> Detokenizer:
+            return loading.result().detokenizer(ids, skip_special)
+
+        try:
+            client = load_core(config, text_streams(detokenizer))
+        except BaseException:
+            loading.cancel()
+            raise
+        try:
+            tokenizer = loading.result()
+        except BaseException:
+            client.stop()
+            raise
     return Backend(
         tokenizer=tokenizer,
         engine=client,
