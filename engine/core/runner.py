@@ -268,7 +268,11 @@ class Runner:
         """Compile every step program at once, one thread each, kept for `execute`.
 
         XLA compiles a program on one thread, so on a host of several cores the programs
-        compile side by side (a first start's warm-up: seconds each on CPU)."""
+        compile side by side (a first start's warm-up: seconds each on CPU). One process
+        only: over several (engine.multihost) each step's arrays are global and every
+        process compiles as it runs them, in the same order."""
+        if jax.process_count() > 1:
+            return
         idle = StepPlan(())
         calls = {pair: self._call(idle, *pair) for pair in self.shapes.pairs()}
 
