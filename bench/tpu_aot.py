@@ -283,11 +283,15 @@ class Harness:
         live = sum(seqs.kv_lens) - sum(seqs.q_lens)  # positions read before the step
         new = sum(seqs.q_lens)
         moved = self.weight_bytes(self.params, new) + (live + new) * self.kv_token_bytes()
-        layers = matmul_elements(self.params["layers"])
+        stacked = self.params["layers"]  # a leading layer axis: a matrix has three
+        layers = matmul_elements(stacked, min_axes=3)
         if self.setup.max_loras:  # a token multiplies by its one adapter's slot
-            pools = [{k: v for k, v in lp.items() if k.startswith("lora_")} for lp in
-                     self.params["layers"]]  # fmt: skip
-            layers -= matmul_elements(pools) * (self.setup.max_loras - 1) // self.setup.max_loras
+            pools = {k: v for k, v in stacked.items() if k.startswith("lora_")}
+            layers -= (
+                matmul_elements(pools, min_axes=3)
+                * (self.setup.max_loras - 1)
+                // self.setup.max_loras
+            )
         head = matmul_elements(self.params.get("lm_head", self.params["embed"]))
         return Work(moved, useful_flops(layers, head, self.shape(seqs)))
 

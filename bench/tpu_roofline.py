@@ -64,11 +64,12 @@ class Work:
         return "hbm" if hbm else "flops"
 
 
-def matmul_elements(tree: Any) -> int:
-    """Elements on one chip of the arrays with two or more axes (the matmul weights)."""
+def matmul_elements(tree: Any, min_axes: int = 2) -> int:
+    """Elements on one chip of the arrays with `min_axes` or more axes (the matmul
+    weights; 3 where a leading axis stacks the layers)."""
     total = 0
     for leaf in jax.tree.leaves(tree):
-        if len(leaf.shape) >= 2:
+        if len(leaf.shape) >= min_axes:
             total += math.prod(leaf.sharding.shard_shape(leaf.shape))
     return total
 
