@@ -146,6 +146,17 @@ def _write_pages(
     return stacked.put(pages, _layer_ids(ids, layers, layout.num_pages), blocks)
 
 
+def _held(
+    *args: object, program: Callable[..., StepOutputs], pages: NamedSharding, whole: NamedSharding
+) -> StepOutputs:
+    """`program` with the state it carries (pages, counts, last tokens) leaving in the
+    shardings it came in: each step's outputs are the next step's inputs, and a compiled
+    step takes only the shardings it was compiled for."""
+    out, new_pages, counts, last, hidden = program(*args)
+    pin = lax.with_sharding_constraint
+    return out, pin(new_pages, pages), pin(counts, whole), pin(last, whole), hidden
+
+
 def pages_sharding(mesh: Mesh, layout: KVLayout) -> NamedSharding:
     """A layer's pages split by kv head (the combined-heads axis) over the mesh."""
     if mesh.devices.size == 1:
@@ -217,15 +228,16 @@ class Runner:
         eos[[i for i in eos_token_ids if 0 <= i < cfg.vocab_size]] = True
         self.eos_mask = jax.device_put(eos, whole)
         self.inv_freq = jax.device_put(cfg.rope_inv_freq(), whole)
-        self._step = jax.jit(
-            functools.partial(
-                step_program,
-                cfg=cfg,
-                attention=attention,
-                sampler=backend_sampler(mesh.devices.flat[0].platform),
-            ),
-            donate_argnums=(1, 2, 3),
+        program = functools.partial(
+            step_program,
+            cfg=cfg,
+            attention=attention,
+            sampler=backend_sampler(mesh.devices.flat[0].platform),
         )
+        held = functools.partial(
+            _held, program=program, pages=pages_sharding(mesh, stacked), whole=whole
+        )
+        self._step = jax.jit(held, donate_argnums=(1, 2, 3))
         self._prompt = jax.jit(functools.partial(prompt_logprobs_program, cfg=cfg))
         self._recount = jax.jit(_recount, donate_argnums=(0,))
         layers = cfg.num_layers
