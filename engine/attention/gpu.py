@@ -37,7 +37,7 @@ from jax.sharding import Mesh, PartitionSpec
 from engine.attention import gpu_kernel
 from engine.attention.gpu_kernel import META_FIELDS, MIN_ROWS, next_power_of_two
 from engine.attention.layout import AttentionBatch, KVLayout, pages_for
-from engine.attention.reference import query_positions
+from engine.attention.reference import causal_probs, query_positions
 
 F32 = jnp.float32
 KERNELS = ("pallas", "xla")
@@ -155,16 +155,7 @@ class GpuAttention:
         qg = q.reshape(t, layout.kv_heads, groups, dim)
         scores = jnp.einsum("tkgd,ktld->tkgl", qg, keys, preferred_element_type=F32)
         scores = scores * (dim**-0.5)
-        k_pos = jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
-        seen = k_pos <= position[:, None]
-        if window is not None:
-            seen = seen & (k_pos > position[:, None] - window)
-        seen = seen & real[:, None]
-        scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
-        top = jnp.max(scores, axis=-1, keepdims=True)
-        probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
-        total = jnp.sum(probs, axis=-1, keepdims=True)
-        probs = (probs / jnp.where(total > 0, total, 1.0)).astype(q.dtype)
+        probs = causal_probs(scores, position, real, window).astype(q.dtype)  # the reference's
         out = jnp.einsum("tkgl,ktld->tkgd", probs, values, preferred_element_type=F32)
         return out.astype(q.dtype).reshape(t, heads, dim)
 

@@ -55,6 +55,23 @@ def query_positions(t: int, batch: AttentionBatch) -> tuple[jax.Array, jax.Array
     return seq, position, real
 
 
+def causal_probs(
+    scores: jax.Array, position: jax.Array, real: jax.Array, window: int | None
+) -> jax.Array:
+    """Scores (T, kv_heads, groups, positions) -> each query's softmax over the positions
+    it sees (at or before its own, within the window; none for padding queries: zeros)."""
+    k_pos = jnp.arange(scores.shape[-1], dtype=jnp.int32)[None, :]
+    seen = k_pos <= position[:, None]
+    if window is not None:
+        seen = seen & (k_pos > position[:, None] - window)
+    seen = seen & real[:, None]
+    scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(probs, axis=-1, keepdims=True)
+    return probs / jnp.where(total > 0, total, 1.0)
+
+
 class ReferenceAttention:
     """Attention as the definition: gather, mask, softmax in float32."""
 
@@ -82,15 +99,6 @@ class ReferenceAttention:
         qg = q.reshape(t, layout.kv_heads, groups, dim)
         scores = jnp.einsum("tkgd,tlkd->tkgl", qg, keys, preferred_element_type=F32)
         scores = scores * (dim**-0.5)
-        k_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]
-        seen = k_pos <= position[:, None]
-        if sliding_window is not None:
-            seen = seen & (k_pos > position[:, None] - sliding_window)
-        seen = seen & real[:, None]
-        scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
-        top = jnp.max(scores, axis=-1, keepdims=True)
-        probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
-        total = jnp.sum(probs, axis=-1, keepdims=True)
-        probs = (probs / jnp.where(total > 0, total, 1.0)).astype(q.dtype)
+        probs = causal_probs(scores, position, real, sliding_window).astype(q.dtype)
         out = jnp.einsum("tkgl,tlkd->tkgd", probs, values, preferred_element_type=F32)
         return out.astype(q.dtype).reshape(t, heads, dim)
