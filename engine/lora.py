@@ -142,7 +142,9 @@ def read_config(folder: Path, max_rank: int) -> AdapterFiles:
             else f"LoRA adapter {folder}: rank must be >= 1, got {rank}"
         )
     scaling = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
-    return AdapterFiles(rank, scaling, tuple(targets))
+    # peft writes target_modules from a set: one order (the model's) names the same
+    # first bad tensor on every run.
+    return AdapterFiles(rank, scaling, tuple(t for t in TARGETS if t in targets))
 
 
 def read_adapter(folder: str | Path, cfg: ModelConfig, max_rank: int, dtype: str) -> SlotArrays:
