@@ -140,6 +140,7 @@ def server_result(
     return {
         "server": running.spec.name,
         "command": running.spec.public_command(),
+        "environment": running.spec.public_env(),
         "startup_s": running.startup_s,
         "warmup_failed": warm.summary()["failed"],
         "sweep": sweep,

@@ -23,6 +23,22 @@ def test_public_command_names_no_path_of_this_machine() -> None:
     assert servers.ours().public_command().startswith("python -m server --model '{model}'")
 
 
+def test_vllm_runs_as_its_cpu_guide_tunes_it(tmp_path: Path) -> None:
+    """Every core bound for the model, none reserved, Intel OpenMP from the peer's venv
+    preloaded; results name the libraries, not their folders."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    env = servers.vllm_cpu_tuning(str(tmp_path / "bin" / "python"), cores=2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["LD_PRELOAD"].split()[-1] == str(tmp_path / "lib" / "libiomp5.so")
+    spec = servers.vllm(str(tmp_path / "bin" / "python"))
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-")
+    preloaded = spec.public_env()["LD_PRELOAD"].split()
+    assert preloaded[-1] == "libiomp5.so" and all("/" not in lib for lib in preloaded)
+
+
 def test_missing_interpreter_or_module_is_a_reason_to_skip() -> None:
     assert "not found" in servers.missing(servers.vllm("/no/such/python"))
     spec = servers.ServerSpec("x", (sys.executable, "-m", "no_such_module_here"))
