@@ -62,6 +62,11 @@ class ModelConfig:
     # (compiled programs' cost analysis counts a loop's body once) and XLA schedules
     # across layers (engine.core.core decides).
     scan_layers: bool = True
+    # The row-parallel products (wo, w_down) leave each device in the model's dtype, so
+    # tensor parallelism's all-reduce sums rounded partials (vLLM's and tpu-inference's
+    # form) instead of writing and reading float32 ones: TPU, where each is a pass over
+    # HBM (engine.core.core decides). With one device both forms round the same sum.
+    partials_in_dtype: bool = False
 
     @property
     def q_size(self) -> int:

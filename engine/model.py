@@ -29,18 +29,23 @@ Params = dict[str, Any]
 F32 = jnp.float32
 
 
-def project(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+def project(
+    x: jax.Array, w: jax.Array, scale: jax.Array | None = None, partials: Any = F32
+) -> jax.Array:
     """x (..., in) times w (out, in)^T -> (..., out) in x's dtype, summed in float32.
 
     Rows x w^T as stored: XLA:CPU gives a row the same bits in this product at any row
     count from 2 (4 in bfloat16), which steps always have (engine.core.runner's buckets).
     With `scale` (out,), w is int8 (engine.quant): its values converted to x's dtype
     (exact) go into the product, and each output column is multiplied by its scale.
+    `partials`: the product's own dtype (ModelConfig.partials_in_dtype), which is what a
+    device's share of a split `in` axis leaves in before they are summed; int8 keeps
+    float32 for its scale.
     """
     rows = x.reshape(-1, x.shape[-1])
     if scale is not None:
-        w = w.astype(x.dtype)
-    out = lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        w, partials = w.astype(x.dtype), F32
+    out = lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=partials)
     if scale is not None:
         out = out * scale
     return out.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
@@ -61,10 +66,12 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> ja
     return out.astype(x.dtype).reshape(*x.shape[:-1], b.shape[-1])
 
 
-def _project(lp: Params, x: jax.Array, name: str, lora: jax.Array | None = None) -> jax.Array:
+def _project(
+    lp: Params, x: jax.Array, name: str, lora: jax.Array | None = None, partials: Any = F32
+) -> jax.Array:
     """x through layer weight `name`, int8 with its scale when engine.quant made it so;
     with `lora` (each row's slot) and a pool beside the weight, plus each row's LoRA term."""
-    out = project(x, lp[name], lp.get(name + "_scale"))
+    out = project(x, lp[name], lp.get(name + "_scale"), partials)
     if lora is not None and "lora_a_" + name in lp:
         out = out + lora_delta(x, lp["lora_a_" + name], lp["lora_b_" + name], lora)
     return out
@@ -136,7 +143,8 @@ def layer_output(
     lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig, lora: jax.Array | None = None
 ) -> jax.Array:
     """Output projection, residual, and the SwiGLU MLP block."""
-    out = _project(lp, attn, "wo", lora)
+    partials = x.dtype if cfg.partials_in_dtype else F32  # of the row-parallel products
+    out = _project(lp, attn, "wo", lora, partials)
     if "bo" in lp:
         out = out + lp["bo"]
     x = x + out
@@ -146,4 +154,5 @@ def layer_output(
     gate_up = gate_up.reshape(*lead, cfg.shards, -1)  # per shard gate, up
     half = cfg.intermediate_size // cfg.shards
     gated = jax.nn.silu(gate_up[..., :half]) * gate_up[..., half:]
-    return x + _project(lp, gated.reshape(*lead, cfg.intermediate_size), "w_down", lora)
+    gated = gated.reshape(*lead, cfg.intermediate_size)
+    return x + _project(lp, gated, "w_down", lora, partials)

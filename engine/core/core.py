@@ -307,12 +307,19 @@ def backend_numerics(cfg: ModelConfig, platform: str) -> ModelConfig:
     own row reduce (its order follows the reduced axis, not the rows), where each level
     of engine.rowwise's tree is a pass over memory; and RoPE's rotation as a product,
     where half-width slices are padded copies (an 8B prompt's prefill at TP 4: 1.83x the
-    unavoidable bytes with both reference forms, 1.49x without them; bench/README); and
-    the layers unrolled. XLA:CPU keeps the tree (its reduce gives a row other bits among
+    unavoidable bytes with both reference forms, 1.49x without them; bench/README); the
+    row-parallel products' partials in the model's dtype (ModelConfig.partials_in_dtype);
+    and the layers unrolled. XLA:CPU keeps the tree (its reduce gives a row other bits among
     16+ rows) and a loop over the layers (ModelConfig.scan_layers)."""
     if platform != "tpu":
         return cfg
-    return replace(cfg, fixed_order_sums=False, rope_by_product=True, scan_layers=False)
+    return replace(
+        cfg,
+        fixed_order_sums=False,
+        rope_by_product=True,
+        partials_in_dtype=True,
+        scan_layers=False,
+    )
 
 
 @dataclass(frozen=True)

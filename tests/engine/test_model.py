@@ -1,18 +1,24 @@
 """engine.model's backend forms: RoPE's rotation as a product with a signed permutation
 (TPU's) gives the bits of swapped half-width slices (the reference) in float32 and bfloat16,
-and matches the rotate-half formula as written; engine.core.core keys the forms on the
-platform."""
+and matches the rotate-half formula as written; the row-parallel products' partials in
+the model's dtype (TPU's) stay within bfloat16 rounding of the float32 sum over a split
+input axis, and a layer in TPU's forms within it of the reference layer; engine.core.core
+keys the forms on the platform."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from engine.config import load_model_config
 from engine.core.core import backend_numerics
-from engine.model import apply_rope, rope_tables
+from engine.model import apply_rope, layer_output, project, rope_tables
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -44,4 +50,50 @@ def test_the_tpu_gets_its_forms_and_other_backends_the_reference(tiny_checkpoint
     for platform in ("cpu", "gpu", "cuda"):
         assert backend_numerics(cfg, platform) == cfg
     tpu = backend_numerics(cfg, "tpu")
-    assert not tpu.fixed_order_sums and tpu.rope_by_product
+    assert not tpu.fixed_order_sums and tpu.rope_by_product and tpu.partials_in_dtype
+    assert not cfg.partials_in_dtype
+
+
+def _bf16(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def test_partials_in_dtype_over_a_split_input_axis_stay_near_the_float32_sum() -> None:
+    devices = jax.devices()[:4]
+    if len(devices) < 2:
+        pytest.skip("needs several devices (tests/conftest.py asks XLA:CPU for 4)")
+    mesh = Mesh(np.array(devices), ("model",))
+    rng = np.random.default_rng(0)
+    x, w = _bf16(rng, 24, 512), _bf16(rng, 96, 512, scale=0.05)
+    # the row-parallel layout: the input axis split over the devices, the output whole
+    xs = jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, "model")))
+    ws = jax.device_put(w, NamedSharding(mesh, PartitionSpec(None, "model")))
+    whole = NamedSharding(mesh, PartitionSpec())
+    reference = jax.jit(project, out_shardings=whole)(xs, ws)
+    tpu = jax.jit(lambda a, b: project(a, b, partials=jnp.bfloat16), out_shardings=whole)(xs, ws)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(np.asarray(reference, np.float64), exact, rtol=8e-3, atol=1e-2)
+    # each device's partial and their sum rounded: a few bfloat16 steps of the sum at most
+    step = np.abs(exact) * 2.0**-8 + 1e-3
+    assert np.all(np.abs(np.asarray(tpu, np.float64) - exact) <= 4 * step)
+
+
+def test_a_layer_in_the_tpu_forms_stays_near_the_reference_layer(
+    tiny_checkpoint_of: Callable[..., Path],
+) -> None:
+    cfg = load_model_config(tiny_checkpoint_of("llama"))
+    tpu = backend_numerics(cfg, "tpu")
+    rng = np.random.default_rng(1)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    lp = {
+        "wo": _bf16(rng, h, cfg.q_size, scale=0.1),
+        "mlp_norm": jnp.ones((h,), jnp.bfloat16),
+        "w_gate_up": _bf16(rng, 2 * inter, h, scale=0.1),
+        "w_down": _bf16(rng, h, inter, scale=0.1),
+    }
+    x, attn = _bf16(rng, 19, h), _bf16(rng, 19, cfg.q_size)
+    reference = jax.jit(lambda: layer_output(lp, x, attn, cfg))()
+    form = jax.jit(lambda: layer_output(lp, x, attn, tpu))()
+    np.testing.assert_allclose(
+        np.asarray(form, np.float32), np.asarray(reference, np.float32), rtol=2e-2, atol=2e-2
+    )
