@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from engine import rowwise
 from engine.config import ModelConfig
@@ -30,7 +31,7 @@ F32 = jnp.float32
 
 
 def project(
-    x: jax.Array, w: jax.Array, scale: jax.Array | None = None, partials: Any = F32
+    x: jax.Array, w: jax.Array, scale: jax.Array | None = None, partials: DTypeLike = F32
 ) -> jax.Array:
     """x (..., in) times w (out, in)^T -> (..., out) in x's dtype, summed in float32.
 
@@ -67,7 +68,7 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> ja
 
 
 def _project(
-    lp: Params, x: jax.Array, name: str, lora: jax.Array | None = None, partials: Any = F32
+    lp: Params, x: jax.Array, name: str, lora: jax.Array | None = None, partials: DTypeLike = F32
 ) -> jax.Array:
     """x through layer weight `name`, int8 with its scale when engine.quant made it so;
     with `lora` (each row's slot) and a pool beside the weight, plus each row's LoRA term."""
