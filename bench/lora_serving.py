@@ -1,4 +1,4 @@
-"""LoRA serving benchmark: the base model alone against adapters mixed evenly, one server.
+"""LoRA serving benchmark: the base model alone against adapters mixed evenly.
 
 Run from the repository root, on a quiet machine (the figures are ratios of one run):
 
@@ -6,12 +6,14 @@ Run from the repository root, on a quiet machine (the figures are ratios of one 
         --requests 128 --rounds 3 --out lora.json
 
 Owns: writing `--adapters` random PEFT adapters (rank `--rank`, every projection) for the
-checkpoint, starting our server once with all of them (`--enable-lora`, `--max-loras`
-= the adapter count, run-time loading on), then `--rounds` rounds, each sending the same
-requests twice in turn (the first rotating): to the base model at `--concurrency`, and
+checkpoint, then `--rounds` rounds. Each starts our server with all of them
+(`--enable-lora`, `--max-loras` = the adapter count, run-time loading on) and sends it
+the same requests twice in turn (the first rotating): to the base model at `--concurrency`, and
 to the adapters, a share each at `--concurrency / adapters` (so `--concurrency` in flight
-together, every batch mixing them). Reports output tokens/s of each, per round and
-pooled, lora / base (the issue's bar: >= 0.8 at 4 adapters and c = 32), and the seconds a
+together, every batch mixing them); and each round the base requests once more to a
+server started without LoRA ("plain"), one server up at a time, the first rotating.
+Reports output tokens/s of each, per round, and the medians of lora / base, lora / plain
+(the issue's bar: >= 0.8 at 4 adapters and c = 32) and base / plain, and the seconds a
 run-time load of an adapter takes (POST /v1/load_lora_adapter, then unloaded; the median
 of `--loads`). Nothing is sent but to this machine's loopback.
 """
@@ -109,33 +111,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"lora{i}": write_adapter(args.model, args.adapter_dir / f"lora{i}", args.rank, i)
         for i in range(args.adapters)
     }
-    spec = servers.ours(args.dtype)
+    plain = servers.ours(args.dtype)
     extra = ("--enable-lora", "--max-loras", str(args.adapters), "--max-lora-rank", str(args.rank),
              "--enable-runtime-lora-updating", "--lora-modules",
              *(f"{n}={p}" for n, p in adapters.items()))  # fmt: skip
-    spec = servers.ServerSpec(spec.name, (*spec.argv, *extra), spec.ready_path, spec.env)
+    with_lora = servers.ServerSpec(plain.name, (*plain.argv, *extra), plain.ready_path, plain.env)
     prompt, output = args.prompt_tokens, args.output_tokens
     workload = Workload("lora", Length(prompt, prompt), Length(output, output))
     specs = build_requests(workload, args.requests, vocabulary_of(args.model), seed=0)
-    rounds = []
-    with servers.started(spec, args.model, "base", args.concurrency, args.context) as server:
-        v1 = server.base_url + "/v1"
-        asyncio.run(send(v1, ["base", *adapters], specs[: args.concurrency], args.concurrency))
-        for r in range(args.rounds):
+    rounds, loads = [], []
+
+    def lora_server(r: int) -> dict[str, dict]:
+        nonlocal loads
+        with servers.started(with_lora, args.model, "base", args.concurrency, args.context) as up:
+            v1 = up.base_url + "/v1"
+            asyncio.run(send(v1, ["base", *adapters], specs[: args.concurrency], args.concurrency))
             order = [["base"], list(adapters)]
             if r % 2:
                 order.reverse()
             runs = {tuple(m): asyncio.run(send(v1, m, specs, args.concurrency)) for m in order}
-            base, lora = runs[("base",)], runs[tuple(adapters)]
-            ratio = lora["output_tokens_per_s"] / base["output_tokens_per_s"]
-            rounds.append({"base": base, "lora": lora, "lora_over_base": ratio})
-        loads = load_seconds(server.base_url, "extra", adapters["lora0"], args.loads)
-    ratios = [r["lora_over_base"] for r in rounds]
+            if r == args.rounds - 1:
+                loads = load_seconds(up.base_url, "extra", adapters["lora0"], args.loads)
+        return {"base": runs[("base",)], "lora": runs[tuple(adapters)]}
+
+    def plain_server(r: int) -> dict[str, dict]:
+        with servers.started(plain, args.model, "base", args.concurrency, args.context) as up:
+            v1 = up.base_url + "/v1"
+            asyncio.run(send(v1, ["base"], specs[: args.concurrency], args.concurrency))
+            return {"plain": asyncio.run(send(v1, ["base"], specs, args.concurrency))}
+
+    for r in range(args.rounds):  # one server up at a time, the first rotating
+        first, second = (lora_server, plain_server) if r % 2 == 0 else (plain_server, lora_server)
+        runs = first(r) | second(r)
+        rate = {k: v["output_tokens_per_s"] for k, v in runs.items()}
+        ratios = {
+            "lora_over_base": rate["lora"] / rate["base"],
+            "lora_over_plain": rate["lora"] / rate["plain"],
+            "base_over_plain": rate["base"] / rate["plain"],
+        }
+        rounds.append(runs | ratios)
     return {
         "setup": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        | {"model": args.model.name, "adapter_dir": None},
+        | {"model": args.model.name, "adapter_dir": None, "out": None},
         "rounds": rounds,
-        "lora_over_base_median": statistics.median(ratios),
+        **{
+            k + "_median": statistics.median(r[k] for r in rounds)
+            for k in ("lora_over_base", "lora_over_plain", "base_over_plain")
+        },
         "load_s": loads,
         "load_s_median": statistics.median(loads),
     }
@@ -160,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = run(args)
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: report[k] for k in ("lora_over_base_median", "load_s_median")}))
+    keys = ("lora_over_base_median", "lora_over_plain_median", "load_s_median")
+    print(json.dumps({k: report[k] for k in keys}))
     return report
 
 

@@ -24,6 +24,8 @@ def test_a_smoke_run_reports_both_rates_and_load_times(tiny_checkpoint: Path, tm
     for r in report["rounds"]:
         assert r["base"]["failed"] == 0 and r["lora"]["failed"] == 0
         assert r["base"]["models"] == ["base"] and r["lora"]["models"] == ["lora0", "lora1"]
-        assert r["lora_over_base"] > 0
+        assert r["plain"]["failed"] == 0 and r["plain"]["models"] == ["base"]
+        assert r["lora_over_base"] > 0 and r["lora_over_plain"] > 0
+    assert report["lora_over_plain_median"] > 0
     assert len(report["load_s"]) == 2 and report["load_s_median"] > 0
     assert "adapter_dir" in report["setup"] and report["setup"]["adapter_dir"] is None
