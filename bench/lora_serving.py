@@ -121,24 +121,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     specs = build_requests(workload, args.requests, vocabulary_of(args.model), seed=0)
     rounds, loads = [], []
 
-    def lora_server(r: int) -> dict[str, dict]:
+    def on(spec: servers.ServerSpec, groups: list[list[str]], timed: bool) -> dict[str, dict]:
+        """One server up: warmed, then each group of models sent the requests in turn."""
         nonlocal loads
-        with servers.started(with_lora, args.model, "base", args.concurrency, args.context) as up:
+        with servers.started(spec, args.model, "base", args.concurrency, args.context) as up:
             v1 = up.base_url + "/v1"
-            asyncio.run(send(v1, ["base", *adapters], specs[: args.concurrency], args.concurrency))
-            order = [["base"], list(adapters)]
-            if r % 2:
-                order.reverse()
-            runs = {tuple(m): asyncio.run(send(v1, m, specs, args.concurrency)) for m in order}
-            if r == args.rounds - 1:
+            every = sorted({m for group in groups for m in group})
+            asyncio.run(send(v1, every, specs[: args.concurrency], args.concurrency))
+            runs = [asyncio.run(send(v1, group, specs, args.concurrency)) for group in groups]
+            if timed:
                 loads = load_seconds(up.base_url, "extra", adapters["lora0"], args.loads)
-        return {"base": runs[("base",)], "lora": runs[tuple(adapters)]}
+        pairs = zip(groups, runs, strict=True)
+        return {"base" if group == ["base"] else "lora": run for group, run in pairs}
+
+    def lora_server(r: int) -> dict[str, dict]:
+        groups = [["base"], list(adapters)]
+        return on(with_lora, groups[::-1] if r % 2 else groups, r == args.rounds - 1)
 
     def plain_server(r: int) -> dict[str, dict]:
-        with servers.started(plain, args.model, "base", args.concurrency, args.context) as up:
-            v1 = up.base_url + "/v1"
-            asyncio.run(send(v1, ["base"], specs[: args.concurrency], args.concurrency))
-            return {"plain": asyncio.run(send(v1, ["base"], specs, args.concurrency))}
+        return {"plain": on(plain, [["base"]], False)["base"]}
 
     for r in range(args.rounds):  # one server up at a time, the first rotating
         first, second = (lora_server, plain_server) if r % 2 == 0 else (plain_server, lora_server)

@@ -55,8 +55,10 @@ class ServerSpec:
 
     def public_env(self) -> dict[str, str]:
         """The environment as recorded in results: library file names, not their folders."""
-        names = {k: " ".join(Path(p).name for p in v.split()) for k, v in self.env.items()}
-        return self.env | {k: names[k] for k in ("LD_PRELOAD",) if k in names}
+        env = dict(self.env)
+        if "LD_PRELOAD" in env:
+            env["LD_PRELOAD"] = " ".join(Path(lib).name for lib in env["LD_PRELOAD"].split())
+        return env
 
 
 def ours(dtype: str = "float32") -> ServerSpec:
