@@ -67,6 +67,10 @@ class ModelConfig:
     # form) instead of writing and reading float32 ones: TPU, where each is a pass over
     # HBM (engine.core.core decides). With one device both forms round the same sum.
     partials_in_dtype: bool = False
+    # The layer and head products of float32 rows through engine.row_dot's kernel: a row
+    # gets the same bits at any row count, in one pass over the weights at a few rows
+    # (XLA:CPU with one device and the kernel built; engine.core.core decides).
+    row_products: bool = False
 
     @property
     def q_size(self) -> int:

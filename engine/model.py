@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
-from engine import rowwise
+from engine import row_dot, rowwise
 from engine.config import ModelConfig
 
 Params = dict[str, Any]
@@ -31,7 +31,12 @@ F32 = jnp.float32
 
 
 def project(
-    x: jax.Array, w: jax.Array, scale: jax.Array | None = None, partials: DTypeLike = F32
+    x: jax.Array,
+    w: jax.Array,
+    scale: jax.Array | None = None,
+    partials: DTypeLike = F32,
+    kernel: bool = False,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """x (..., in) times w (out, in)^T -> (..., out) in x's dtype, summed in float32.
 
@@ -42,8 +47,17 @@ def project(
     `partials`: the product's own dtype (ModelConfig.partials_in_dtype), which is what a
     device's share of a split `in` axis leaves in before they are summed; int8 keeps
     float32 for its scale.
+    `kernel` (ModelConfig.row_products): float32 rows and weights through engine.row_dot,
+    whose bits for a row are the same at any row count from 1; XLA's product otherwise.
+    `layer`: w is every layer's weight stacked (L, out, in) and this layer's is used
+    (the kernel reads it in place; XLA's product takes a copy of it).
     """
     rows = x.reshape(-1, x.shape[-1])
+    if kernel and scale is None and rows.dtype == w.dtype == F32:
+        out = row_dot.row_dot(rows, w, layer)
+        return out.reshape(*x.shape[:-1], w.shape[-2])
+    if layer is not None:
+        w = lax.dynamic_index_in_dim(w, layer, keepdims=False)
     if scale is not None:
         w, partials = w.astype(x.dtype), F32
     out = lax.dot_general(rows, w, (((1,), (1,)), ((), ())), preferred_element_type=partials)
@@ -68,11 +82,20 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> ja
 
 
 def _project(
-    lp: Params, x: jax.Array, name: str, lora: jax.Array | None = None, partials: DTypeLike = F32
+    lp: Params,
+    x: jax.Array,
+    name: str,
+    cfg: ModelConfig,
+    lora: jax.Array | None = None,
+    partials: DTypeLike = F32,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """x through layer weight `name`, int8 with its scale when engine.quant made it so;
-    with `lora` (each row's slot) and a pool beside the weight, plus each row's LoRA term."""
-    out = project(x, lp[name], lp.get(name + "_scale"), partials)
+    with `lora` (each row's slot) and a pool beside the weight, plus each row's LoRA term.
+    A weight given stacked (engine.paged_model.in_place_weights) is layer `layer`'s."""
+    w = lp[name]
+    index = layer if w.ndim == 3 else None
+    out = project(x, w, lp.get(name + "_scale"), partials, cfg.row_products, index)
     if lora is not None and "lora_a_" + name in lp:
         out = out + lora_delta(x, lp["lora_a_" + name], lp["lora_b_" + name], lora)
     return out
@@ -122,10 +145,12 @@ def attention_inputs(
     cos: jax.Array,
     sin: jax.Array,
     lora: jax.Array | None = None,
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`lora`: each row's adapter slot (engine.lora), None without adapters."""
+    """`lora`: each row's adapter slot (engine.lora), None without adapters; `layer`: the
+    layer's index, for weights given stacked."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
-    qkv = _project(lp, h, "wqkv", lora)
+    qkv = _project(lp, h, "wqkv", cfg, lora, layer=layer)
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     lead = x.shape[:-1]
@@ -141,19 +166,24 @@ def attention_inputs(
 
 
 def layer_output(
-    lp: Params, x: jax.Array, attn: jax.Array, cfg: ModelConfig, lora: jax.Array | None = None
+    lp: Params,
+    x: jax.Array,
+    attn: jax.Array,
+    cfg: ModelConfig,
+    lora: jax.Array | None = None,
+    layer: jax.Array | None = None,
 ) -> jax.Array:
     """Output projection, residual, and the SwiGLU MLP block."""
     partials = x.dtype if cfg.partials_in_dtype else F32  # of the row-parallel products
-    out = _project(lp, attn, "wo", lora, partials)
+    out = _project(lp, attn, "wo", cfg, lora, partials, layer)
     if "bo" in lp:
         out = out + lp["bo"]
     x = x + out
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
     lead = x.shape[:-1]
-    gate_up = _project(lp, h, "w_gate_up", lora)
+    gate_up = _project(lp, h, "w_gate_up", cfg, lora, layer=layer)
     gate_up = gate_up.reshape(*lead, cfg.shards, -1)  # per shard gate, up
     half = cfg.intermediate_size // cfg.shards
     gated = jax.nn.silu(gate_up[..., :half]) * gate_up[..., half:]
     gated = gated.reshape(*lead, cfg.intermediate_size)
-    return x + _project(lp, gated, "w_down", lora, partials)
+    return x + _project(lp, gated, "w_down", cfg, lora, partials, layer)

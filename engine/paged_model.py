@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from engine import row_dot
 from engine.attention import Attention, AttentionBatch, Ints
 from engine.config import ModelConfig
 from engine.mesh import split
@@ -111,6 +112,8 @@ def head_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
         return _hidden_major(x, params["lm_head_t"])
     name = "lm_head" if "lm_head" in params else "embed"
     head, scale = params[name], params.get(name + "_scale")
+    if scale is None and cfg.row_products and x.dtype == head.dtype == F32:
+        return row_dot.row_dot(x, head)  # a row's bits its own at any row count
     if scale is None:
         return lax.dot_general(x, head, (((1,), (1,)), ((), ())), preferred_element_type=F32)
     # int8 (engine.quant): each vocabulary row's scale applies to its logit
@@ -134,6 +137,8 @@ def hidden_major_head(params: Params, cfg: ModelConfig) -> Params:
     copy would cost its bytes again), and other backends keep the checkpoint's layout.
     """
     if "lm_head" not in params or "lm_head_scale" in params:
+        return params
+    if cfg.row_products and params["lm_head"].dtype == F32:  # engine.row_dot reads it as stored
         return params
     out = {k: v for k, v in params.items() if k != "lm_head"}
     head = params["lm_head"]
@@ -220,24 +225,28 @@ def forward(
     size = attention.layout.page_size
     live = slots < per_layer * size  # padding: past every layer's pages, writing nothing
 
+    stacks = params["layers"]
+    whole = in_place_weights(stacks, cfg)
+
     def layer(
         carry: tuple[jax.Array, jax.Array], lp_l: tuple[Params, jax.Array]
     ) -> tuple[tuple[jax.Array, jax.Array], None]:
         x, pages = carry
         lp, index = lp_l
+        lp = {**lp, **{name: stacks[name] for name in whole}}
         shifted = jnp.where(
             live, slots + index * per_layer * size, cfg.num_layers * per_layer * size
         )
         shifted_batch = dataclasses.replace(attention_batch, page_indices=table + index * per_layer)
         out = _layer(
-            lp, pages, x, cos, sin, shifted, shifted_batch, lora, cfg=cfg, attention=attention
-        )
+            lp, pages, x, cos, sin, shifted, shifted_batch, lora, index, cfg=cfg,
+            attention=attention,
+        )  # fmt: skip
         return out, None
 
     ordinals = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, pages), _ = lax.scan(
-        layer, (x, pages), (params["layers"], ordinals), unroll=not cfg.scan_layers
-    )
+    sliced = {name: w for name, w in stacks.items() if name not in whole}
+    (x, pages), _ = lax.scan(layer, (x, pages), (sliced, ordinals), unroll=not cfg.scan_layers)
     return x, pages
 
 
@@ -250,12 +259,32 @@ def _layer(
     slots: jax.Array,
     batch: AttentionBatch,
     lora: jax.Array | None,
+    index: jax.Array,
     *,
     cfg: ModelConfig,
     attention: Attention,
 ) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer: its K/V written into its pages, attention, the MLP."""
-    q, k, v = attention_inputs(lp, x, cfg, cos, sin, lora)
+    """One decoder layer (the `index`th): its K/V written into its pages, attention, the
+    MLP."""
+    q, k, v = attention_inputs(lp, x, cfg, cos, sin, lora, index)
     pages = attention.write(pages, k, v, slots)
     attn = attention.attend(q, pages, batch, sliding_window=cfg.sliding_window)
-    return layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg, lora), pages
+    out = layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg, lora, index)
+    return out, pages
+
+
+PRODUCT_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def in_place_weights(stacks: Params, cfg: ModelConfig) -> tuple[str, ...]:
+    """The stacked layer weights the layers read in place, not as the scan's slices:
+    float32 products through engine.row_dot (ModelConfig.row_products), which reads a
+    layer out of the stack where XLA would copy each slice out first (a pass over the
+    weights every step)."""
+    if not cfg.row_products:
+        return ()
+    return tuple(
+        name
+        for name in PRODUCT_WEIGHTS
+        if name in stacks and stacks[name].dtype == F32 and name + "_scale" not in stacks
+    )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine import row_dot
 from engine.attention import KVLayout, attention_backend, attention_layout
 from engine.attention.kv_dtype import storage_dtype
 from engine.config import ModelConfig, load_model_config, tensor_parallel
@@ -191,7 +192,8 @@ class EngineCore:
 
     def _params(self, path: str | Path, cfg: ModelConfig, platform: str) -> Params:
         """A checkpoint's params placed on the mesh, quantized as configured, in the
-        backend's head layout (CPU: hidden_major_head, XLA:CPU's faster head product)."""
+        backend's head layout (CPU: hidden_major_head, XLA:CPU's faster head product,
+        unless engine.row_dot reads it as stored)."""
         params = place_checkpoint_params(path, cfg, self.config.dtype, self.mesh)
         params = quantize_params(params, self.config.quantization)
         return hidden_major_head(params, cfg) if platform == "cpu" else params
@@ -310,7 +312,13 @@ def backend_numerics(cfg: ModelConfig, platform: str) -> ModelConfig:
     unavoidable bytes with both reference forms, 1.49x without them; bench/README); the
     row-parallel products' partials in the model's dtype (ModelConfig.partials_in_dtype);
     and the layers unrolled. XLA:CPU keeps the tree (its reduce gives a row other bits among
-    16+ rows) and a loop over the layers (ModelConfig.scan_layers)."""
+    16+ rows) and a loop over the layers (ModelConfig.scan_layers); with one device, its
+    float32 products through engine.row_dot's kernel when it builds here
+    (ModelConfig.row_products)."""
+    if platform == "cpu":
+        # one device: the kernel has no rule for splitting its operands
+        kernel = cfg.shards == 1 and row_dot.available()
+        return replace(cfg, row_products=kernel)
     if platform != "tpu":
         return cfg
     return replace(

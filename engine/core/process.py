@@ -173,6 +173,10 @@ def run(config: ProcessConfig) -> int:
         logger.info("XLA flags for %s: %s", platform, os.environ.get("XLA_FLAGS", ""))
         if config.compile_cache_dir:
             enable_compile_cache(config.compile_cache_dir)
+        if platform == "cpu":  # the compiler runs beside the checkpoint's loading
+            from engine import row_dot
+
+            threading.Thread(target=row_dot.available, name="row-dot-build", daemon=True).start()
         from engine.core.core import EngineCore
         from engine.core.disaggregated import DisaggregatedCore
         from engine.core.loop import CoreLoop

@@ -2,14 +2,19 @@
 float64 product, and a row gets the same bits at every row count a step can take (from
 engine.core.runner's smallest buckets up), in float32 and bfloat16. The second is what
 makes a sequence's tokens the same alone and in a full batch; it is a property of the
-backend's kernels, checked here on the machine that runs the suite."""
+backend's kernels, checked here on the machine that runs the suite. The same for
+engine.row_dot's kernel (ModelConfig.row_products, XLA:CPU's product in the engine),
+from one row up."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
 import pytest
 
+from engine import row_dot
 from engine.core.shapes import MIN_SEQS_BUCKET, MIN_TOKENS_BUCKET
 from engine.model import project
 
@@ -39,3 +44,71 @@ def test_a_row_has_the_same_bits_at_every_step_width(inner: int, outer: int, dty
     smallest = min(MIN_SEQS_BUCKET, MIN_TOKENS_BUCKET)  # the head's rows: one per sequence
     for rows in sorted({smallest, 8, 16, 32, 64, 128}):
         assert np.array_equal(np.asarray(product(x[:rows], w)), widest[:rows]), rows
+
+
+# engine.row_dot's kernel: shapes with a K tail (not a multiple of 8 lanes) and weight
+# rows that fill no block or task evenly, besides the model's
+KERNEL_SHAPES = [(64, 64), (576, 960), (1536, 576), (60, 50), (13, 7)]
+
+
+def test_the_kernel_builds_here() -> None:
+    """The suite's machines have a C++ compiler and jaxlib's FFI headers: the kernel the
+    CPU engine serves with is the one the tests below check."""
+    assert row_dot.available()
+
+
+@pytest.mark.parametrize(("inner", "outer"), KERNEL_SHAPES)
+def test_the_kernel_matches_float64(inner: int, outer: int) -> None:
+    rng = np.random.default_rng(inner * outer)
+    x = rng.standard_normal((37, inner)).astype(np.float32)
+    w = rng.standard_normal((outer, inner)).astype(np.float32)
+    got = np.asarray(jax.jit(functools.partial(project, kernel=True))(x, w), np.float64)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.sqrt(inner) / 8), rtol=1e-5)
+
+
+@pytest.mark.parametrize(("inner", "outer"), KERNEL_SHAPES)
+def test_the_kernel_gives_a_row_the_same_bits_at_every_row_count(inner: int, outer: int) -> None:
+    """From one row up, odd counts included (blocks of 4 rows, tails of 1): XLA's own
+    product gives one row other bits than two (test above), the kernel does not."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((300, inner)).astype(np.float32)
+    w = rng.standard_normal((outer, inner)).astype(np.float32)
+    product = jax.jit(functools.partial(project, kernel=True))
+    widest = np.asarray(product(x, w))
+    for rows in (1, 2, 3, 5, 8, 13, 32, 100, 256):
+        assert np.array_equal(np.asarray(product(x[:rows], w)), widest[:rows]), rows
+    # and a row's bits do not depend on its neighbours' values
+    other = x.copy()
+    other[1:] = rng.standard_normal(other[1:].shape).astype(np.float32)
+    assert np.array_equal(np.asarray(product(other, w))[0], widest[0])
+
+
+def test_bfloat16_rows_keep_xlas_product() -> None:
+    """The kernel is float32's: other dtypes take the reference product, same bits."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 64)).astype("bfloat16")
+    w = rng.standard_normal((32, 64)).astype("bfloat16")
+    with_kernel = jax.jit(functools.partial(project, kernel=True))(x, w)
+    assert np.array_equal(np.asarray(with_kernel), np.asarray(jax.jit(project)(x, w)))
+
+
+def test_a_failed_build_says_why(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="failed"):
+        row_dot.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+def test_a_layer_of_a_stack_is_read_in_place_with_the_same_bits() -> None:
+    """engine.paged_model hands the kernel every layer's weights and the layer's index
+    (a slice would be copied out of the stack first): the same bits as the slice alone,
+    through the kernel and, for other dtypes, through XLA's product."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((9, 64)).astype(np.float32)
+    stack = rng.standard_normal((3, 40, 64)).astype(np.float32)
+    for kernel in (True, False):
+        product = jax.jit(functools.partial(project, kernel=kernel))
+        for layer in range(3):
+            got = product(x, stack, layer=np.int32(layer))
+            assert np.array_equal(np.asarray(got), np.asarray(product(x, stack[layer]))), layer

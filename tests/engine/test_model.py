@@ -8,6 +8,7 @@ keys the forms on the platform."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engine.config import load_model_config
+from engine.config import load_model_config, tensor_parallel
 from engine.core.core import backend_numerics
 from engine.model import apply_rope, layer_output, project, rope_tables
 
@@ -47,11 +48,14 @@ def test_rope_by_product_has_the_bits_of_rope_by_slices(dtype, head_dim: int) ->
 def test_the_tpu_gets_its_forms_and_other_backends_the_reference(tiny_checkpoint_of) -> None:  # type: ignore[no-untyped-def]
     cfg = load_model_config(tiny_checkpoint_of("llama"))
     assert cfg.fixed_order_sums and not cfg.rope_by_product
-    for platform in ("cpu", "gpu", "cuda"):
+    for platform in ("gpu", "cuda"):
         assert backend_numerics(cfg, platform) == cfg
+    # XLA:CPU: the reference forms, its products through engine.row_dot's kernel
+    assert backend_numerics(cfg, "cpu") == replace(cfg, row_products=True)
+    assert not backend_numerics(tensor_parallel(cfg, 2), "cpu").row_products  # one device only
     tpu = backend_numerics(cfg, "tpu")
     assert not tpu.fixed_order_sums and tpu.rope_by_product and tpu.partials_in_dtype
-    assert not cfg.partials_in_dtype
+    assert not cfg.partials_in_dtype and not cfg.row_products and not tpu.row_products
 
 
 def _bf16(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> jax.Array:

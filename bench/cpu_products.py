@@ -1,0 +1,111 @@
+"""A step's layer products on XLA:CPU: XLA's own product against engine.row_dot's kernel.
+
+Run: `python -m bench.cpu_products [--model smollm2-135m] [--rows 1,2,8,32,256]
+[--repeats 5] [--json OUT]` prints one line per (form, rows) and, with --json, writes them.
+
+Every layer's q/k/v, output, gate/up and down products of a model shape (random float32
+weights, one array per layer as the engine keeps them) in one jitted program, `rows`
+rows each: the median seconds of `repeats` calls, the weights' bytes over that time, and
+whether row 0's bits are those it has alone (the property the engine needs for a
+sequence to get the same tokens alone and in a batch). The head is left out: it is one
+more product of the same kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# (layers, hidden, heads, kv heads, head_dim, intermediate): SmolLM2-135M's config.json
+SMOLLM2 = (30, 576, 9, 3, 64, 1536)
+
+
+def layer_shapes(name: str) -> tuple[int, list[tuple[int, int]]]:
+    """(layers, [(out, in), ...]) as the engine fuses them: SmolLM2-135M, or a
+    bench.model_shapes config ("1b", "8b")."""
+    if name == "smollm2-135m":
+        layers, h, heads, kv_heads, dim, i = SMOLLM2
+    else:
+        from bench.model_shapes import CONFIGS
+
+        c = CONFIGS[name]
+        layers, h, heads, kv_heads = c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads
+        dim, i = c.head_dim, c.intermediate_size
+    q, kv = heads * dim, kv_heads * dim
+    return layers, [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+
+
+def measure(model: str, rows: list[int], repeats: int) -> list[dict[str, Any]]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from engine import row_dot
+    from engine.model import project
+
+    if not row_dot.available():
+        raise SystemExit("engine.row_dot's kernel does not build here")
+    layers, shapes = layer_shapes(model)
+    rng = np.random.default_rng(0)
+    weights = [
+        [jnp.asarray(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
+        for _ in range(layers)
+    ]
+    weight_bytes = sum(w.nbytes for ws in weights for w in ws)
+    widest = max(k for _, k in shapes)
+    x_all = jnp.asarray(rng.standard_normal((max(rows), widest), dtype=np.float32))
+    out: list[dict[str, Any]] = []
+    for form in ("xla", "kernel"):
+
+        def step(ws: list[list[jax.Array]], x: jax.Array, kernel: bool = form == "kernel"):
+            return [project(x[:, : w.shape[1]], w, kernel=kernel)[0] for lw in ws for w in lw]
+
+        program = jax.jit(step)
+        alone = [np.asarray(a) for a in program(weights, x_all[:1])]
+        for n in rows:
+            x = x_all[:n]
+            got = jax.block_until_ready(program(weights, x))
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                jax.block_until_ready(program(weights, x))
+                times.append(time.perf_counter() - started)
+            seconds = statistics.median(times)
+            same = all(np.array_equal(np.asarray(a), b) for a, b in zip(got, alone, strict=True))
+            out.append(
+                {
+                    "form": form,
+                    "rows": n,
+                    "seconds": round(seconds, 5),
+                    "weight_gb_s": round(weight_bytes / seconds / 1e9, 2),
+                    "gflop_s": round(2 * n * weight_bytes / 4 / seconds / 1e9, 1),
+                    "row0_bits_as_alone": same,
+                }
+            )
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m, 1b or 8b")
+    parser.add_argument("--rows", default="1,2,8,32,256")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    result = measure(args.model, rows, args.repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "rows": result}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

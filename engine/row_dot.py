@@ -1,0 +1,138 @@
+"""XLA:CPU's batch-invariant fast product: rows (M, K) times weights (N, K)^T in float32.
+
+Owns: building engine/row_dot.cc into a shared library (once per source, jaxlib and
+processor; kept in the kernel cache folder), registering it with XLA as an FFI target,
+and `row_dot`, the call. Receives float32 rows and weights as the checkpoint stores them
+(out, in); emits float32 (M, N).
+
+Why: XLA:CPU's own product takes other kernels by row count. One row goes through a
+matrix-vector kernel that reads the weights once; two or more through a blocked product
+that packs the weights on every call, 2-3x slower at the few rows of a decode step
+(bench/README, "CPU products"), and rounding otherwise than the one-row kernel. The
+engine pads every step to 8 rows so a sequence keeps its bits alone and in a batch,
+and so paid the blocked product's price at every step. This kernel sums each output
+element in one order whatever the row count (the .cc file says how), so a row's bits
+are its own at any row count, and at a few rows it is one pass over the weights.
+
+`available()` says whether the kernel can run here (a C++ compiler and XLA's FFI headers
+from jaxlib, on a CPU backend); where it cannot, the model keeps XLA's product (the
+reference, engine.model.project), and ModelConfig.row_products stays off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jaxlib.version import __version__ as jaxlib_version
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("row_dot.cc")
+TARGET = "jax_llm_server_row_dot_f32"
+LAYER_TARGET = "jax_llm_server_row_dot_layer_f32"
+FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-funroll-loops", "-ffp-contract=off")
+FLAGS += ("-std=c++17", "-shared", "-fPIC", "-w")
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}  # "available": the outcome of the first build and registration
+
+
+def kernel_dir() -> Path:
+    """Beside the compile cache when there is one (its folder's parent), else the user's
+    cache folder: where the built library is kept across processes."""
+    compile_cache = getattr(jax.config, "jax_compilation_cache_dir", None)
+    if compile_cache:
+        return Path(compile_cache).parent / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "jax-llm-server" / "kernels"
+
+
+def _include_dir() -> Path:
+    import jaxlib
+
+    return Path(jaxlib.__file__).parent / "include"
+
+
+def _library_path(folder: Path) -> Path:
+    """A name that changes with the source, jaxlib, the flags and the processor."""
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(jaxlib_version.encode())
+    key.update(" ".join(FLAGS).encode())
+    key.update(platform.machine().encode())
+    key.update(_cpu_flags().encode())
+    return folder / f"row_dot-{key.hexdigest()[:16]}.so"
+
+
+def _cpu_flags() -> str:
+    """The processor's feature flags (-march=native builds for them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(folder: Path) -> Path:
+    """The library for this source, jaxlib and processor, compiled into `folder` unless it
+    is there already (written under a temporary name, then renamed: concurrent builds
+    are safe). Raises RuntimeError when it cannot be built."""
+    target = _library_path(folder)
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++ or g++, or CXX)")
+    if not (_include_dir() / "xla" / "ffi" / "api" / "ffi.h").exists():
+        raise RuntimeError(f"jaxlib has no FFI headers in {_include_dir()}")
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    command = [compiler, *FLAGS, f"-I{_include_dir()}", str(SOURCE), "-o", tmp]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)
+    return target
+
+
+def available() -> bool:
+    """Whether `row_dot` can run in this process: the library built (or found) and its
+    target registered with XLA, once. Logs why not, once, when it cannot."""
+    with _lock:
+        if "available" not in _state:
+            try:
+                library = ctypes.cdll.LoadLibrary(str(build(kernel_dir())))
+                for name, symbol in ((TARGET, "RowDotF32"), (LAYER_TARGET, "RowDotLayerF32")):
+                    handler = jax.ffi.pycapsule(getattr(library, symbol))
+                    jax.ffi.register_ffi_target(name, handler, platform="cpu")
+                _state["available"] = True
+            except (OSError, RuntimeError) as error:
+                log.warning("row_dot kernel unavailable, XLA's product used: %s", error)
+                _state["available"] = False
+        return _state["available"]
+
+
+def row_dot(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    """x (M, K) float32 times w (N, K)^T float32 -> (M, N) float32; `available()` first.
+    With `layer` (an int32 scalar), w is a stack (L, N, K) and its layer `layer` is read
+    in place (a slice of it as an operand would be copied out first, every step)."""
+    if layer is None:
+        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+        return jax.ffi.ffi_call(TARGET, out)(x, w)
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(LAYER_TARGET, out)(x, w, jnp.asarray(layer, jnp.int32))
