@@ -276,6 +276,23 @@ def _layer(
 PRODUCT_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
+def row_invariant_products(params: Params, cfg: ModelConfig) -> bool:
+    """Whether every product of a step gives a row the same bits at one row as at many:
+    all of them through engine.row_dot (float32 layer weights and head, nothing int8, no
+    LoRA pool, whose products are XLA's). Params as `stack_layers` gives them."""
+    stacks = params["layers"]
+    head = params["lm_head"] if "lm_head" in params else params.get("embed")
+    return (
+        cfg.row_products
+        and head is not None
+        and head.dtype == F32
+        and "lm_head_t" not in params
+        and not any(name.endswith("_scale") for name in (*params, *stacks))
+        and not any(name.startswith("lora_") for name in stacks)
+        and in_place_weights(stacks, cfg) == tuple(n for n in PRODUCT_WEIGHTS if n in stacks)
+    )
+
+
 def in_place_weights(stacks: Params, cfg: ModelConfig) -> tuple[str, ...]:
     """The stacked layer weights the layers read in place, not as the scan's slices:
     float32 products through engine.row_dot (ModelConfig.row_products), which reads a

@@ -36,7 +36,15 @@ from engine.core.plan import PromptLogprobs, RowWork, StepPlan, StepResult
 from engine.core.shapes import Shapes
 from engine.logprobs import top_logprobs
 from engine.model import Params
-from engine.paged_model import Chunk, StepBatch, forward, head_logits, make_batch, stack_layers
+from engine.paged_model import (
+    Chunk,
+    StepBatch,
+    forward,
+    head_logits,
+    make_batch,
+    row_invariant_products,
+    stack_layers,
+)
 from engine.sampling import Sampled, SamplingArrays, host_arrays, sample
 from engine.sampling_tpu import backend_sampler
 from engine.types import MAX_LOGPROBS, SamplingParams
@@ -217,7 +225,10 @@ class Runner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.shapes = Shapes.of(
-            max_num_seqs, max_num_batched_tokens, -(-max_model_len // layout.page_size)
+            max_num_seqs,
+            max_num_batched_tokens,
+            -(-max_model_len // layout.page_size),
+            single_row=row_invariant_products(self.params, cfg),
         )
         whole = NamedSharding(mesh, PartitionSpec())
         stacked = layout.stacked(cfg.num_layers)

@@ -47,18 +47,33 @@ class Shapes:
     seq_buckets: tuple[int, ...]
     pages_per_seq: int
     decode_tokens: int  # the largest token bucket with a program per sequence bucket
+    single_row: bool = False  # a (1, 1) program: one sequence decoding alone
 
     @classmethod
-    def of(cls, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int) -> Shapes:
+    def of(
+        cls,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        pages_per_seq: int,
+        single_row: bool = False,
+    ) -> Shapes:
+        """`single_row`: every product of the step gives a row the same bits at one row
+        as at many (engine.paged_model.row_invariant_products), so one sequence decoding
+        alone gets a program of one token and one sequence, not the smallest buckets'
+        padding (each padded row costs its products)."""
         seqs = buckets(min(MIN_SEQS_BUCKET, max_num_seqs), max_num_seqs)
         smallest = min(MIN_TOKENS_BUCKET, max_num_batched_tokens)
         decode = buckets(smallest, min(max(smallest, max_num_seqs), max_num_batched_tokens))
         quarter = -(-max_num_batched_tokens // 4 // smallest) * smallest
         larger = sorted({t for t in (quarter, max_num_batched_tokens) if t > decode[-1]})
-        return cls((*decode, *larger), seqs, pages_per_seq, decode[-1])
+        single = single_row and smallest > 1
+        first = (1,) if single else ()
+        return cls((*first, *decode, *larger), seqs, pages_per_seq, decode[-1], single)
 
     def seq_choices(self, tokens: int) -> list[int]:
-        """The sequence buckets of token bucket `tokens`."""
+        """The sequence buckets of token bucket `tokens` (the one-row program: one)."""
+        if self.single_row and tokens == 1:
+            return [1]
         fits = [s for s in self.seq_buckets if s <= tokens]
         return fits if tokens <= self.decode_tokens else fits[-1:]
 
