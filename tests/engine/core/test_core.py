@@ -70,6 +70,14 @@ def make(folder, **options) -> EngineCore:  # type: ignore[no-untyped-def]
     return EngineCore(CoreConfig(**(config | options)))
 
 
+def test_a_sequence_alone_runs_a_one_row_program_where_the_products_allow(folder) -> None:  # type: ignore[no-untyped-def]
+    """On CPU a float32 model's products are engine.row_dot's, which keep a row's bits at
+    one row, so a sequence decoding alone pads to no other rows (the next test holds its
+    tokens to a batch's); XLA's bfloat16 products do not, and pad to the smallest buckets."""
+    assert make(folder).runner.shapes.bucket(1, 1) == (1, 1)
+    assert make(folder, dtype="bfloat16").runner.shapes.bucket(1, 1) != (1, 1)
+
+
 def seqs_of(ps: list[list[int]], sampling: SamplingParams, max_tokens: int) -> list[SequenceState]:
     return [SequenceState(f"s{i}", tuple(p), sampling, max_tokens) for i, p in enumerate(ps)]
 
