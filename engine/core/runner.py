@@ -33,7 +33,7 @@ from engine import rowwise
 from engine.attention import Attention, KVLayout
 from engine.config import ModelConfig
 from engine.core.plan import PromptLogprobs, RowWork, StepPlan, StepResult
-from engine.core.shapes import Shapes
+from engine.core.shapes import SINGLE_ROW_BUCKET, Shapes
 from engine.logprobs import top_logprobs
 from engine.model import Params
 from engine.paged_model import (
@@ -313,10 +313,13 @@ class Runner:
         for tokens, seqs in self.shapes.pairs():
             self.collect(idle, self.execute(self._call(idle, tokens, seqs)))
         ids = np.full(self.max_model_len, self.cfg.vocab_size, np.int32)
-        for tokens in self.shapes.token_buckets:  # prompt logprobs, and a rebuilt row once
+        # prompt logprobs, and a rebuilt row once, in a pair of each token bucket (compiled above)
+        firsts = [(t, self.shapes.seq_choices(t)[0]) for t in self.shapes.token_buckets]
+        if self.shapes.single_row:
+            firsts.insert(0, SINGLE_ROW_BUCKET)
+        for tokens, seqs in firsts:
             following = np.zeros(tokens, np.int32)
-            seqs = self.shapes.seq_choices(tokens)[0]  # a pair `pairs` compiled above
-            recount = ((0, ids),) if tokens == self.shapes.token_buckets[0] else ()
+            recount = ((0, ids),) if (tokens, seqs) == firsts[0] else ()
             call = self._call(idle, tokens, seqs, following=following, recount=recount)
             self.collect(idle, self.execute(call))
 

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 # many rows, so a sequence gets the same bits alone as in a full batch.
 MIN_TOKENS_BUCKET = 8
 MIN_SEQS_BUCKET = 4
+# (tokens, sequences) of one sequence's program where every product keeps a row's bits
+# at one row: two tokens, as at one token XLA:CPU copied the whole page cache four times
+# a layer (its copy insertion; none at two)
+SINGLE_ROW_BUCKET = (2, 1)
 
 
 def buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -47,7 +51,7 @@ class Shapes:
     seq_buckets: tuple[int, ...]
     pages_per_seq: int
     decode_tokens: int  # the largest token bucket with a program per sequence bucket
-    single_row: bool = False  # a (1, 1) program: one sequence decoding alone
+    single_row: bool = False  # a SINGLE_ROW_BUCKET program: one sequence alone
 
     @classmethod
     def of(
@@ -58,29 +62,29 @@ class Shapes:
         single_row: bool = False,
     ) -> Shapes:
         """`single_row`: every product of the step gives a row the same bits at one row
-        as at many (engine.paged_model.row_invariant_products), so one sequence decoding
-        alone gets a program of one token and one sequence, not the smallest buckets'
-        padding (each padded row costs its products)."""
+        as at many (engine.paged_model.row_invariant_products), so one sequence alone gets
+        a program of SINGLE_ROW_BUCKET, not the smallest buckets' padding (each padded row
+        costs its products)."""
         seqs = buckets(min(MIN_SEQS_BUCKET, max_num_seqs), max_num_seqs)
         smallest = min(MIN_TOKENS_BUCKET, max_num_batched_tokens)
         decode = buckets(smallest, min(max(smallest, max_num_seqs), max_num_batched_tokens))
         quarter = -(-max_num_batched_tokens // 4 // smallest) * smallest
         larger = sorted({t for t in (quarter, max_num_batched_tokens) if t > decode[-1]})
-        single = single_row and smallest > 1
-        first = (1,) if single else ()
-        return cls((*first, *decode, *larger), seqs, pages_per_seq, decode[-1], single)
+        single = single_row and smallest > SINGLE_ROW_BUCKET[0]
+        return cls((*decode, *larger), seqs, pages_per_seq, decode[-1], single)
 
     def seq_choices(self, tokens: int) -> list[int]:
-        """The sequence buckets of token bucket `tokens` (the one-row program: one)."""
-        if self.single_row and tokens == 1:
-            return [1]
+        """The sequence buckets of token bucket `tokens`."""
         fits = [s for s in self.seq_buckets if s <= tokens]
         return fits if tokens <= self.decode_tokens else fits[-1:]
 
     def pairs(self) -> list[tuple[int, int]]:
         """Every (tokens, sequences) bucket pair a step may take."""
-        return [(t, s) for t in self.token_buckets for s in self.seq_choices(t)]
+        first = [SINGLE_ROW_BUCKET] if self.single_row else []
+        return first + [(t, s) for t in self.token_buckets for s in self.seq_choices(t)]
 
     def bucket(self, tokens: int, seqs: int) -> tuple[int, int]:
+        if self.single_row and seqs <= 1 and tokens <= SINGLE_ROW_BUCKET[0]:
+            return SINGLE_ROW_BUCKET
         t = fit(max(tokens, seqs), self.token_buckets)
         return t, fit(seqs, self.seq_choices(t))

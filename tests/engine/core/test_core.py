@@ -15,6 +15,7 @@ import pytest
 from engine.config import load_model_config
 from engine.core.core import CoreConfig, EngineCore, backend_shapes
 from engine.core.scheduler import Emitted, SequenceState
+from engine.core.shapes import SINGLE_ROW_BUCKET
 from engine.types import SamplingParams
 from tests.engine.conftest import run_core
 
@@ -74,8 +75,8 @@ def test_a_sequence_alone_runs_a_one_row_program_where_the_products_allow(folder
     """On CPU a float32 model's products are engine.row_dot's, which keep a row's bits at
     one row, so a sequence decoding alone pads to no other rows (the next test holds its
     tokens to a batch's); XLA's bfloat16 products do not, and pad to the smallest buckets."""
-    assert make(folder).runner.shapes.bucket(1, 1) == (1, 1)
-    assert make(folder, dtype="bfloat16").runner.shapes.bucket(1, 1) != (1, 1)
+    assert make(folder).runner.shapes.bucket(1, 1) == SINGLE_ROW_BUCKET
+    assert make(folder, dtype="bfloat16").runner.shapes.bucket(1, 1) != SINGLE_ROW_BUCKET
 
 
 def seqs_of(ps: list[list[int]], sampling: SamplingParams, max_tokens: int) -> list[SequenceState]:
