@@ -6,8 +6,9 @@ MLP, for Llama (default / linear / llama3 RoPE), Mistral (sliding window) and Qw
 params and rows (T, hidden); emits rows. Attention itself is engine.attention's and the
 whole step is engine.paged_model's.
 
-Layout: layer weights (out, in), as the checkpoint has them, one set of arrays per layer
-(the layer loop is unrolled, so no weight is ever sliced or copied). With tensor
+Layout: layer weights (out, in), as the checkpoint has them; engine.paged_model stacks
+them by layer and scans the layers, handing each layer its slices, or, for the products
+engine.row_dot runs, the whole stack and the layer's index (`layer`). With tensor
 parallelism (engine.config.tensor_parallel) the fused q/k/v and gate/up weights hold
 one group of columns per device.
 """

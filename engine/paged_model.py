@@ -10,7 +10,8 @@ any mix of the two.
 Params are the checkpoint's layout (engine.checkpoint.load_params): the head is
 (vocab, hidden), contracted over hidden as it is, and a tied head is the embedding
 itself, so no transposed copy is kept. On CPU an untied head is stored hidden-major
-instead (`hidden_major_head`, chosen by engine.core.core with the other CPU layouts).
+instead (`hidden_major_head`, chosen by engine.core.core with the other CPU layouts),
+unless engine.row_dot's kernel reads it as stored (ModelConfig.row_products, float32).
 The layer math is engine.model's. Params quantized by engine.quant (int8 weights with
 `<name>_scale` beside them) go through the same functions.
 """
