@@ -9,8 +9,9 @@ Why: XLA:CPU's own product takes other kernels by row count. One row goes throug
 matrix-vector kernel that reads the weights once; two or more through a blocked product
 that packs the weights on every call, 2-3x slower at the few rows of a decode step
 (bench/README, "CPU products"), and rounding otherwise than the one-row kernel. The
-engine pads every step to 8 rows so a sequence keeps its bits alone and in a batch,
-and so paid the blocked product's price at every step. This kernel sums each output
+engine padded every step to 8 rows so a sequence kept its bits alone and in a batch,
+and so paid the blocked product's price at every step (with this kernel, a sequence
+alone runs a 2-token program: engine.core.shapes). This kernel sums each output
 element in one order whatever the row count (the .cc file says how), so a row's bits
 are its own at any row count, and at a few rows it is one pass over the weights.
 
