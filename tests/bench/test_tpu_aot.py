@@ -2,9 +2,16 @@
 and v6e:2x2, 2-layer forms of the 1B and 8B shapes), fits the chip, moves a bounded
 multiple of the bytes it must, and its roofline time (max of FLOPs over peak and bytes
 over bandwidth) stays a bounded multiple of its unavoidable work's (ahead-of-time, on
-the CPU: libtpu describes the chips; nothing runs on them)."""
+the CPU: libtpu describes the chips; nothing runs on them).
+
+Bounded by default (the compiles take minutes on two cores): one topology per model
+shape, 1B on v5e and 8B at TP 4 on v6e, up to 8 sequences a step, and the int8 and LoRA
+checks at their smallest decode batches. TPU_AOT_FULL=1 compiles every form: both shapes
+on both chips, up to 16 sequences."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -30,12 +37,19 @@ ATTENTION_FLOPS_RATIO = 2.5
 LORA_DECODE_OVER_BASE = 1.05
 LORA_PREFILL_OVER_BASE = 1.2
 
+FULL = os.environ.get("TPU_AOT_FULL", "0") not in ("", "0")
+TOPOLOGIES = [("1b", "v5e:2x2", 1), ("8b", "v6e:2x2", 4)]
+TOPOLOGIES += [("1b", "v6e:2x2", 1), ("8b", "v5e:2x2", 4)] if FULL else []
+SEQS = 16 if FULL else 8  # decode batches of 1, 8 (and 16) sequences; the mixed step's rows
+# the int8 and LoRA checks' decode batches: 1 sequence, or every one with TPU_AOT_FULL
+FEW_SEQS = () if FULL else ("--max-num-seqs", "1")
+
 
 def run(config: str, topology: str, tp: int, programs: str, *extra: str) -> dict:
     return tpu_aot.main(
         [
             "--config", config, "--topology", topology, "--tensor-parallel-size", str(tp),
-            "--layers", "2", "--max-num-seqs", "16", "--max-model-len", "2048",
+            "--layers", "2", "--max-num-seqs", str(SEQS), "--max-model-len", "2048",
             "--programs", programs, *extra,
         ]
     )  # fmt: skip
@@ -45,23 +59,20 @@ def by_name(report: dict) -> dict[tuple[str, str | None, str], dict]:
     return {(p["name"], p["sampling"], p["contexts"]): p for p in report["programs"]}
 
 
-@pytest.mark.parametrize(
-    ("config", "topology", "tp"),
-    [("1b", "v5e:2x2", 1), ("1b", "v6e:2x2", 1), ("8b", "v5e:2x2", 4), ("8b", "v6e:2x2", 4)],
-)
+@pytest.mark.parametrize(("config", "topology", "tp"), TOPOLOGIES)
 def test_paged_programs_compile_fit_and_stay_near_their_roofline(
     config: str, topology: str, tp: int
 ) -> None:
     programs = by_name(run(config, topology, tp, "decode,prefill,mixed,prompt-logprobs"))
     decodes = {
         (f"decode-{n}", sampling, contexts)
-        for n in (1, 8, 16)
+        for n in sorted({1, 8, SEQS})
         for sampling in ("greedy", "sampled")
         for contexts in ("full", "mixed")
     }
     others = {
         ("prefill-1024", "sampled", "full"),
-        ("mixed-16", "sampled", "full"),
+        (f"mixed-{SEQS}", "sampled", "full"),
         (f"prompt-logprobs-{CHUNK_SIZE['tpu']}", None, "full"),
     }
     assert set(programs) == decodes | others
@@ -75,8 +86,8 @@ def test_paged_programs_compile_fit_and_stay_near_their_roofline(
         p = programs[key]
         assert p["ratio"] <= DECODE_RATIO and p["time_ratio"] <= DECODE_RATIO, p
         assert p["attention_flops_ratio"] <= ATTENTION_FLOPS_RATIO, p
-    mixed = programs[("decode-16", "sampled", "mixed")]
-    full = programs[("decode-16", "sampled", "full")]
+    mixed = programs[(f"decode-{SEQS}", "sampled", "mixed")]
+    full = programs[(f"decode-{SEQS}", "sampled", "full")]
     assert mixed["kv_positions"] < full["kv_positions"]
     for key in others - {(f"prompt-logprobs-{CHUNK_SIZE['tpu']}", None, "full")}:
         p = programs[key]
@@ -104,8 +115,10 @@ def test_int8_weights_halve_the_bytes_a_decode_step_reads() -> None:
     weights', mostly; sampling's passes over the logits are not halved) reads at most
     0.56x the bfloat16 step's, every step within the bounds
     above against its own (int8 and fp8) unavoidable bytes."""
-    base = by_name(run("1b", "v5e:2x2", 1, "decode"))
-    quant = run("1b", "v5e:2x2", 1, "decode", "--quantization", "int8", "--kv-cache-dtype", "fp8")
+    base = by_name(run("1b", "v5e:2x2", 1, "decode", *FEW_SEQS))
+    quant = run(
+        "1b", "v5e:2x2", 1, "decode", *FEW_SEQS, "--quantization", "int8", "--kv-cache-dtype", "fp8"
+    )
     programs = by_name(quant)
     for key, p in programs.items():
         assert p["compiled"] and p["error"] is None, (key, p["error"])
@@ -118,7 +131,7 @@ def test_int8_weights_halve_the_bytes_a_decode_step_reads() -> None:
 def test_the_step_with_a_lora_pool_compiles_and_states_its_bytes_over_the_base() -> None:
     """--lora: a pool of 4 rank-16 adapters (the defaults) beside the 1B shape's layers;
     every program compiles and fits, and reads a little more than the base program."""
-    report = run("1b", "v5e:2x2", 1, "decode,prefill", "--lora")
+    report = run("1b", "v5e:2x2", 1, "decode,prefill", "--lora", *FEW_SEQS)
     assert (report["setup"]["max_loras"], report["setup"]["max_lora_rank"]) == (4, 16)
     for p in report["programs"]:
         assert p["compiled"] and p["error"] is None, (p["name"], p["error"])
