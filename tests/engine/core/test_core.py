@@ -103,8 +103,9 @@ def test_alone_batched_preempted_and_cached_give_the_same_tokens(folder) -> None
     ps = prompts(load_model_config(folder).vocab_size)
     for sampling in (GREEDY, SEEDED):
         batched = tokens_of(run(make(folder), seqs_of(ps, sampling, 8)))
+        solo = make(folder)  # one sequence at a time (the prompts share no page)
         for i, p in enumerate(ps):
-            alone = tokens_of(run(make(folder), [SequenceState(f"s{i}", tuple(p), sampling, 8)]))
+            alone = tokens_of(run(solo, [SequenceState(f"s{i}", tuple(p), sampling, 8)]))
             assert alone[f"s{i}"] == batched[f"s{i}"], (sampling, i)
         # 10 pages of 8 (one max_model_len sequence): some are preempted
         tight = make(folder, num_pages=10, max_model_len=80)
