@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.harness import make_config, serve_in_thread
+from tests.server.harness import LiveServer, make_config, serve_in_thread
 
 PROMPT_MB = 4
 HUGE = 6
@@ -82,16 +82,15 @@ def test_huge_prompts_do_not_stall_streams_or_health(tiny_checkpoint: Path) -> N
     assert max(stream_gaps) < MAX_GAP_S, sorted(stream_gaps)[-5:]
 
 
-def test_a_seed_keeps_its_high_bits(tiny_checkpoint: Path) -> None:
+def test_a_seed_keeps_its_high_bits(live: LiveServer) -> None:
     """Seeds were once reduced mod 2**31: 5 and 2**31 + 5 gave the same text."""
-    with serve_in_thread(make_config(tiny_checkpoint)) as live:
 
-        def text(seed: int) -> str:
-            body = {"prompt": "Hello", "max_tokens": 16, "temperature": 1.0, "seed": seed}
-            response = httpx.post(live.v1 + "/completions", json=body, timeout=60)
-            assert response.status_code == 200, response.text
-            return response.json()["choices"][0]["text"]
+    def text(seed: int) -> str:
+        body = {"prompt": "Hello", "max_tokens": 16, "temperature": 1.0, "seed": seed}
+        response = httpx.post(live.v1 + "/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
 
-        assert text(5) == text(5)
-        assert text(5) != text(2**31 + 5)
-        assert text(-1) != text(2**63 - 1)  # distinct 64-bit seeds, distinct keys
+    assert text(5) == text(5)
+    assert text(5) != text(2**31 + 5)
+    assert text(-1) != text(2**63 - 1)  # distinct 64-bit seeds, distinct keys
