@@ -75,7 +75,9 @@ class EngineLimits:
     vocab_size: int  # the model's: token ids and top_k are bounded by it
 
     def check(self, prompt_tokens: int, max_tokens: int | None) -> int:
-        """The completion's token budget, or PromptTooLongError saying which field is over."""
+        """The completion's token budget: max_tokens, cut to the room the prompt leaves (as
+        vLLM cuts it); PromptTooLongError when the prompt leaves none or max_tokens alone
+        exceeds the context."""
         if prompt_tokens > self.max_prompt_len:
             raise PromptTooLongError(
                 f"This model's maximum prompt length is {self.max_prompt_len} tokens. "
@@ -86,17 +88,15 @@ class EngineLimits:
         room = self.max_model_len - prompt_tokens
         if max_tokens is None:
             return room
-        if max_tokens > room:
+        if max_tokens > self.max_model_len:
             raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} "
-                f"in the prompt, {max_tokens} in the completion). Please reduce the prompt "
-                "or max_tokens.",
+                f"max_tokens={max_tokens} cannot be greater than "
+                f"max_model_len={self.max_model_len}. Please request fewer output tokens.",
                 prompt_tokens,
                 self.max_model_len,
                 param="max_tokens",
             )
-        return max_tokens
+        return min(max_tokens, room)  # vLLM's: the context's end stops it ("length")
 
 
 class ConstraintMatcher(Protocol):

@@ -26,6 +26,7 @@ from server.lora import LoraRegistry, add_lora_routes
 from server.metrics import EngineMetrics
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestLogMiddleware
 from server.openapi import document_api
+from server.response_store import ResponseStore
 from server.routes import Served, generate, models, probes, tokens
 
 
@@ -55,7 +56,13 @@ def create_app(config: ServerConfig, loader: Callable[[], Backend] | None = None
     app.state.runtime = runtime  # the probes and the entrypoint's drain read it
     loras = LoraRegistry(config.model_name, {m.name: m for m in config.lora_modules})
     app.state.served = Served(
-        config, runtime, metrics, text_pool, created=int(time.time()), loras=loras
+        config,
+        runtime,
+        metrics,
+        text_pool,
+        created=int(time.time()),
+        loras=loras,
+        responses=ResponseStore(config.responses_store_size),
     )
     if config.enable_runtime_lora_updating:
         add_lora_routes(app, loras, lambda: runtime.require_ready().engine)

@@ -48,6 +48,7 @@ class TokenizerClient(Protocol):
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]: ...
 
 

@@ -96,6 +96,7 @@ def render_messages(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
     param: str = "messages",
 ) -> tuple[int, ...]:
     """Token ids of a conversation rendered with the chat template; a 400 when it cannot be."""
@@ -106,6 +107,7 @@ def render_messages(
             continue_final_message=continue_final_message,
             add_special_tokens=add_special_tokens,
             tools=tools,
+            template_kwargs=template_kwargs,
         )
     except ValueError as exc:
         raise bad_request(f"{param} could not be rendered: {exc}", param=param) from exc

@@ -91,6 +91,8 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     enable_tokenizer_info_endpoint: bool = False  # vLLM's: GET /tokenizer_info (its template)
+    # Responses kept in memory for GET, cancel and previous_response_id (server.response_store)
+    responses_store_size: int = 1000
     # Devices (see engine/mesh.py): one tensor-parallel mesh, or a prefill and a generate
     # set (disaggregated). A device set is a count (the first N devices; generate takes the
     # ones after prefill's) or ids: "0,1", "2-3".
@@ -114,6 +116,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         for name in ("max_queued_samples", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -386,6 +390,11 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "enable_auto_tool_choice": (_switch, "read tool calls from replies to tool_choice auto"),
     "tool_call_parser": (str, f"tool-call format of the model: {', '.join(TOOL_PARSERS)}"),
     "enable_tokenizer_info_endpoint": (_switch, "serve GET /tokenizer_info (shows the template)"),
+    "responses_store_size": (
+        int,
+        "Responses API responses kept in memory for GET, cancel and previous_response_id "
+        "(0: none; store is then ignored and background refused)",
+    ),
     "tensor_parallel_size": (int, "devices the model is sharded over (heads, MLP, vocabulary)"),
     "prefill_devices": (str, "disaggregated: prefill's devices, a count or ids (0,1 or 0-1)"),
     "generate_devices": (str, "disaggregated: generate's devices, a count or ids (2,3 or 2-3)"),

@@ -42,7 +42,7 @@ _PROBE_SCHEMA: dict[str, Any] = {
 _WHY = {
     400: "Invalid request: a bad parameter, a body that is not JSON or is too large",
     401: "Missing or wrong API key (`Authorization: Bearer <key>`)",
-    404: "Unknown model",
+    404: "Unknown model, or no stored response of that id",
     408: "The request body did not arrive within the body read timeout",
     429: "The queue is full; retry after the `Retry-After` seconds",
     503: "Not ready yet, draining for shutdown, or the engine failed",
@@ -92,6 +92,8 @@ def rewrite(schema: dict[str, Any], *, api_key_required: bool) -> dict[str, Any]
                     _streamed(responses)
             elif "{" in path:
                 statuses.append(404)
+                if path.startswith("/v1/responses/"):  # cancel of a finished one, GET streamed
+                    statuses.append(400)
             for status in sorted(statuses):
                 responses[str(status)] = _error(status)
     for name in _FASTAPI_VALIDATION:

@@ -394,12 +394,26 @@ class ResponsesToolChoice(BaseModel):
     name: StrictStr | None = None
 
 
-class ResponsesRequest(RequestModel):
-    """The stateless subset of OpenAI's Responses API (POST /v1/responses).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
-    Fields that need state (store, previous_response_id, conversation) or features not
-    served (background, reasoning, built-in tools) are declared so that asking for them
-    is a clear 400.
+
+class ResponsesReasoning(BaseModel):
+    """`reasoning`: effort (one of OpenAI's levels) and summary (refused when set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: StrictStr | None = None
+    generate_summary: None = None  # OpenAI's deprecated name of summary: only null
+
+
+class ResponsesRequest(RequestModel):
+    """OpenAI's Responses API (POST /v1/responses), with vLLM's sampling extras.
+
+    `store` (default true) keeps the response for GET, cancel and `previous_response_id`
+    (server.response_store); `background` needs it. Fields that need features not served
+    (conversations, prompt templates, reasoning summaries, built-in tools) are declared so
+    that asking for them is a clear 400.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -417,36 +431,61 @@ class ResponsesRequest(RequestModel):
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
     text: ResponsesTextConfig | None = None
-    # known but unsupported: rejected when they would change the output or need state
-    store: StrictBool | None = None
+    store: StrictBool = True
     previous_response_id: StrictStr | None = None
-    conversation: Any = None
-    background: StrictBool | None = None
-    reasoning: dict[str, Any] | None = None
-    include: list[Any] | None = None
+    background: StrictBool = False
+    # message.output_text.logprobs: each output token's logprob and top_logprobs of them
+    include: list[StrictStr] | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # effort reaches the chat template as reasoning_effort (vLLM's); no summaries
+    reasoning: ResponsesReasoning | None = None
+    # vLLM's: the prompt and the reply as raw text and token ids in the response
+    enable_response_messages: StrictBool = False
+    # vLLM's sampling extras, as chat and completions read them (server.params)
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    presence_penalty: StrictFloat | None = _float(ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: StrictFloat | None = _float(ge=-MAX_PENALTY, le=MAX_PENALTY)
+    stop: StopInput = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    logit_bias: dict[StrictStr, StrictFloat] | None = None
+    repetition_penalty: StrictFloat | None = _float()
+    min_p: StrictFloat | None = _float()
+    # known but unsupported: rejected when they would change the output
+    conversation: Any = None
     prompt: Any = None
     truncation: Literal["auto", "disabled"] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first set field we cannot honour, else None."""
-        stateless = "no state is kept between requests: send the whole conversation in input"
-        if self.store:
-            return "store", f"store is not supported ({stateless}); send store: false"
-        if self.previous_response_id is not None:
-            return "previous_response_id", f"previous_response_id is not supported ({stateless})"
         if self.conversation is not None:
-            return "conversation", f"conversation is not supported ({stateless})"
-        if self.background:
-            return "background", "background responses are not supported"
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            return "reasoning", "reasoning is not supported"
-        if self.include:
-            return "include", "include is not supported"
-        if self.top_logprobs:
-            return "top_logprobs", "top_logprobs is not supported on /v1/responses"
+            return "conversation", (
+                "conversation is not supported: chain responses with previous_response_id"
+            )
+        if self.background and not self.store:
+            return "background", "background can only be used when `store` is true"
+        if self.background and self.stream:
+            return "stream", "background responses cannot be streamed here"
+        for item in self.include or ():
+            if item != LOGPROBS_INCLUDE:
+                return "include", f"include {item!r} is not supported (only {LOGPROBS_INCLUDE!r})"
+        if self.reasoning is not None and self.reasoning.summary is not None:
+            return "reasoning", (
+                "reasoning.summary is not supported: this server reads no reasoning from replies"
+            )
         if self.prompt is not None:
             return "prompt", "prompt templates are not supported"
         if self.truncation == "auto":
             return "truncation", "truncation: auto is not supported"
+        if self.repetition_penalty not in (None, 1.0):
+            return "repetition_penalty", "repetition_penalty is not supported"
+        if self.min_p not in (None, 0.0):
+            return "min_p", "min_p is not supported"
         return None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ())

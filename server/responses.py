@@ -1,29 +1,35 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless: a message and function calls out.
+"""POST /v1/responses: OpenAI's Responses API: a message and function calls out.
 
 `input` (a string or items, server.responses_input) follows `instructions` through the
-chat template like chat's messages, with the function `tools` as chat's, and runs as
-one `Generation`. Nothing is stored, so `store: true` and `previous_response_id` are
-400s. `text.format` (json_schema, json_object) and tool_choice required / named
-constrain the output as chat's response_format and tool_choice do (server.structured);
-with tools the reply is read for calls as chat's is (server.tools), each call a
-`function_call` output item after the message (no message when the reply is calls
-alone). A stream is the named events the openai SDK assembles (response.created ...
-response.completed): text as it comes; a named function's arguments as they come
-(a named reply cut short before its first delta is no call but a message, as chat's is);
-auto / required calls at the end, as chat streams them. The response ends "incomplete"
-with reason max_output_tokens when the budget ran out, and, as vLLM does, a stream
-still ends with response.completed carrying that status.
+chat template like chat's messages, after the stored conversation of
+`previous_response_id` when given (server.response_store), with the function `tools` as
+chat's, and runs as one `Generation`. `text.format` (json_schema, json_object) and
+tool_choice required / named constrain the output as chat's response_format and
+tool_choice do (server.structured); with tools the reply is read for calls as chat's is
+(server.tools), each call a `function_call` output item after the message (no message
+when the reply is calls alone). `include: ["message.output_text.logprobs"]` puts each
+output token's logprob (and `top_logprobs` alternatives) on the message's text part and
+on the streamed text deltas that carry it; `reasoning.effort` reaches the chat template
+as `reasoning_effort` (vLLM's); vLLM's `enable_response_messages` adds the prompt and the
+reply as raw text and token ids. A stream is the named events the openai SDK assembles
+(response.created ... response.completed): text as it comes; a named function's
+arguments as they come (a named reply cut short before its first delta is no call but a
+message, as chat's is); auto / required calls at the end, as chat streams them. The
+response ends "incomplete" with reason max_output_tokens when the budget ran out, and,
+as vLLM does, a stream still ends with response.completed carrying that status.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from engine.types import TokenLogprobs
 from server.backend import ModelLimits, TokenizerClient
-from server.chat import render_messages
+from server.chat import chat_logprobs, render_messages
 from server.config import ServerConfig
 from server.errors import APIError, bad_request
 from server.generation import Generation, PromptDelta
@@ -34,13 +40,16 @@ from server.params import (
     check_common,
     note_ignored,
     sampling_params,
+    stop_strings,
 )
-from server.protocol import ResponsesRequest, SamplingFields
-from server.responses_input import input_messages
+from server.protocol import ResponsesInputItem, ResponsesRequest, SamplingFields
+from server.responses_input import input_items, input_messages
 from server.streaming import NamedEvents
 from server.structured import compile_constraint, requested_by_response
 from server.tool_parsers import ParsedCall
 from server.tools import ToolCallReader, plan_response_tools
+
+logger = logging.getLogger(__name__)
 
 
 def plan_response(
@@ -49,28 +58,46 @@ def plan_response(
     tokenizer: TokenizerClient,
     config: ServerConfig,
     limits: ModelLimits,
+    history: tuple[ResponsesInputItem, ...] = (),
 ) -> GenerationPlan:
+    """The request's plan; `history` is the conversation `previous_response_id` names."""
     fields = SamplingFields(
         model=request.model,
         temperature=request.temperature,
         top_p=request.top_p,
         user=request.user,
+        seed=request.seed,
+        top_k=request.top_k,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
+        logit_bias=request.logit_bias,
     )
     check_common(fields, config, config.model_name)
     note_ignored(request)
     unsupported = request.unsupported()
     if unsupported is not None:
         raise bad_request(unsupported[1], param=unsupported[0], code="unsupported")
+    if request.top_logprobs and not request.wants_logprobs:
+        raise bad_request(
+            'top_logprobs needs include: ["message.output_text.logprobs"]', param="top_logprobs"
+        )
+    top_n = (request.top_logprobs or 0) if request.wants_logprobs else None
     max_tokens = request.max_output_tokens
     tools = plan_response_tools(request, config)
     text_format = request.text.format if request.text is not None else None
     asked = requested_by_response(text_format, tools.output_schema if tools else None)
     constraint = compile_constraint(asked, tokenizer, limits)
-    sampling = sampling_params(fields, None, max_tokens, limits, constraint)
+    sampling = sampling_params(fields, top_n, max_tokens, limits, constraint)
     ids = render_messages(
-        input_messages(request),
+        input_messages(request, history),
         tokenizer,
         tools=list(tools.tools) if tools is not None and tools.tools else None,
+        template_kwargs=_template_kwargs(request),
         param="input",
     )
     if not ids:
@@ -82,7 +109,7 @@ def plan_response(
         fields,
         max_tokens=max_tokens,
         sampling=sampling,
-        stop=(),
+        stop=stop_strings(fields, config),
         prompt_logprobs=None,
         limits=limits,
         tokenizer=tokenizer,
@@ -94,8 +121,18 @@ def plan_response(
         n=1,
         stream=request.stream,
         include_usage=False,
+        logprobs=top_n,
         tools=tools,
     )
+
+
+def _template_kwargs(request: ResponsesRequest) -> dict[str, Any] | None:
+    """vLLM's: a reasoning effort reaches the template, and turns thinking on unless
+    "none" (templates that read neither render as without them)."""
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    if effort is None:
+        return None
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
 
 
 class ResponsesShaper:
@@ -104,15 +141,33 @@ class ResponsesShaper:
     Output items, in order: the message (unless the reply is calls alone), then one
     `function_call` per call read. The whole response and the stream's closing events
     come from the same `output`, so the two agree; call ids are made once per index.
+    Logprobs stream on the text deltas when the reply is all message; when it is read for
+    calls, they come whole with the message's text part at the end.
     """
 
     def __init__(
-        self, plan: GenerationPlan, request: ResponsesRequest, model: str, response_id: str
+        self,
+        plan: GenerationPlan,
+        request: ResponsesRequest,
+        model: str,
+        response_id: str,
+        tokenizer: TokenizerClient,
+        *,
+        stored: bool = False,
+        history: tuple[ResponsesInputItem, ...] = (),
+        prompt_text: str | None = None,
     ):
         self.plan = plan
         self.request = request
         self.model = model
         self.id = response_id
+        self.tokenizer = tokenizer
+        self.stored = stored  # kept by the server's response store
+        self.history = history  # the conversation previous_response_id named
+        self.prompt_text = prompt_text  # enable_response_messages: the rendered prompt
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[str, Any]] | None = [] if plan.logprobs is not None else None
+        self._unsent_logprobs: list[dict[str, Any]] = []  # not yet on a streamed delta
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.text = ""
@@ -135,10 +190,21 @@ class ResponsesShaper:
 
     def apply(self, item: PromptDelta) -> None:
         """Fold a delta in (the whole response's path; a stream asks `events`)."""
-        self.text += item.delta.text
-        self.cached_tokens = max(self.cached_tokens, item.delta.cached_tokens)
-        if item.delta.finish_reason is not None:
-            self.finish_reason = item.delta.finish_reason
+        delta = item.delta
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        if self.logprobs is not None and delta.logprobs is not None:
+            entries = self._logprob_entries(delta.token_ids, delta.logprobs)
+            self.logprobs += entries
+            self._unsent_logprobs += entries
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+    def _logprob_entries(
+        self, token_ids: tuple[int, ...], lps: tuple[TokenLogprobs, ...]
+    ) -> list[dict[str, Any]]:
+        return chat_logprobs(self.tokenizer, token_ids, lps, self.plan)
 
     # --- streamed events ------------------------------------------------------------
 
@@ -178,9 +244,11 @@ class ResponsesShaper:
                 if text[self._streamed :]:
                     events.append(self._text_delta(text[self._streamed :]))
                 where = {"item_id": self.message_id, "output_index": index, "content_index": 0}
+                part = item["content"][0]
+                done = {"text": text, "logprobs": part["logprobs"]}
                 events += [
-                    {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
-                    {"type": "response.content_part.done", **where, "part": _text_part(text)},
+                    {"type": "response.output_text.done", **where, **done},
+                    {"type": "response.content_part.done", **where, "part": part},
                 ]
             else:
                 arguments = item["arguments"]
@@ -228,14 +296,19 @@ class ResponsesShaper:
         ]
 
     def _text_delta(self, text: str) -> dict[str, Any]:
+        """A text delta, with the logprobs of the tokens not yet sent (the reply is all
+        message: when it is read for calls, they come with the message's done events)."""
         self._streamed += len(text)
+        logprobs: list[dict[str, Any]] = []
+        if self.reader is None:
+            logprobs, self._unsent_logprobs = self._unsent_logprobs, []
         return {
             "type": "response.output_text.delta",
             "item_id": self.message_id,
             "output_index": 0,
             "content_index": 0,
             "delta": text,
-            "logprobs": [],
+            "logprobs": logprobs,
         }
 
     def _named_events(self, released: dict[str, Any]) -> list[dict[str, Any]]:
@@ -297,7 +370,7 @@ class ResponsesShaper:
         return self.response_object(completion_tokens, status=self.status)
 
     def message(self, text: str, *, status: str) -> dict[str, Any]:
-        content = [_text_part(text)] if status != "in_progress" else []
+        content = [_text_part(text, self.logprobs or [])] if status != "in_progress" else []
         return {
             "id": self.message_id,
             "type": "message",
@@ -316,7 +389,7 @@ class ResponsesShaper:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "background": False,
+            "background": request.background,
             "completed_at": int(time.time()) if status == "completed" else None,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if self.incomplete else None,
@@ -326,18 +399,39 @@ class ResponsesShaper:
             "model": self.model,
             "output": self.output(status) if done else [],
             "parallel_tool_calls": request.parallel_tool_calls,
-            "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
-            "store": False,
+            "previous_response_id": request.previous_response_id,
+            "reasoning": {"effort": self._effort(), "summary": None},
+            "store": self.stored,
             "temperature": 1.0 if request.temperature is None else request.temperature,
             "text": {"format": text_format.echo() if text_format else {"type": "text"}},
             "tool_choice": _tool_choice(request),
             "tools": [tool.model_dump() for tool in request.tools or ()],
+            "top_logprobs": request.top_logprobs,
             "top_p": 1.0 if request.top_p is None else request.top_p,
             "truncation": "disabled",
             "usage": self.usage(completion_tokens) if completion_tokens is not None else None,
             "user": request.user,
+        } | (self._raw_messages() if done else {})
+
+    def _effort(self) -> str | None:
+        return self.request.reasoning.effort if self.request.reasoning is not None else None
+
+    def _raw_messages(self) -> dict[str, Any]:
+        """vLLM's enable_response_messages: the prompt and the reply, text and token ids."""
+        if self.prompt_text is None:
+            return {}
+        prompt = self.plan.prompts[0]
+        return {
+            "input_messages": [_raw(self.prompt_text, prompt.ids)],
+            "output_messages": [_raw(self.text, self.token_ids)],
         }
+
+    def conversation(self) -> tuple[dict[str, Any], ...]:
+        """What a response continuing this one starts from: the earlier turns, this input,
+        then this output (items as `input` takes them; instructions are not carried)."""
+        items = [*self.history, *input_items(self.request)]
+        earlier = [item.model_dump(exclude_none=True) for item in items]
+        return (*earlier, *self.output(self.status))
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
         input_tokens = sum(len(p.ids) for p in self.plan.prompts)
@@ -357,12 +451,21 @@ def _tool_choice(request: ResponsesRequest) -> str | dict[str, Any]:
     return choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-async def stream_events(generation: Generation, shaper: ResponsesShaper) -> AsyncIterator[bytes]:
+def _raw(text: str, ids: Sequence[int]) -> dict[str, Any]:
+    return {"type": "raw_message_tokens", "message": text, "tokens": list(ids)}
+
+
+async def stream_events(
+    generation: Generation,
+    shaper: ResponsesShaper,
+    finished: Callable[[dict[str, Any]], None] | None = None,
+) -> AsyncIterator[bytes]:
     """The response's named SSE events; a failure after the start is an `error` event.
+    `finished` receives the whole response once it is complete (the store's).
 
     Only the framing is this endpoint's: the Generation still submits, merges,
     observes metrics, maps every failure to one APIError and closes once.
@@ -374,9 +477,41 @@ async def stream_events(generation: Generation, shaper: ResponsesShaper) -> Asyn
         async for item in generation.deltas():
             for event in shaper.events(item):
                 yield events.encode(event)
-        for event in shaper.closing(generation.completion_tokens):
+        closing = shaper.closing(generation.completion_tokens)
+        if finished is not None:
+            finished(closing[-1]["response"])
+        for event in closing:
             yield events.encode(event)
     except APIError as error:
         yield events.error(error)
     finally:
         await generation.close()
+
+
+async def run_in_background(
+    generation: Generation,
+    shaper: ResponsesShaper,
+    update: Callable[[dict[str, Any]], None],
+) -> None:
+    """A background response's run: in progress at its first token, then the whole
+    response, or "failed" with the error; a cancellation stops it (the store says so)."""
+    started = False
+    try:
+        async for item in generation.deltas():
+            if not started:
+                started = True
+                update(shaper.response_object(None, status="in_progress"))
+            shaper.apply(item)
+        update(shaper.response(generation.completion_tokens))
+    except APIError as error:
+        update(_failed(shaper, error.code or "server_error", error.message))
+    except Exception:  # a formatting bug: the stored response still ends
+        logger.exception("a background response failed")
+        update(_failed(shaper, "internal_error", "internal server error"))
+    finally:
+        await generation.close()
+
+
+def _failed(shaper: ResponsesShaper, code: str, message: str) -> dict[str, Any]:
+    failed = shaper.response_object(None, status="failed")
+    return failed | {"error": {"code": code, "message": message}}

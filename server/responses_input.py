@@ -1,15 +1,18 @@
 """A Responses `input` as chat-template messages, as chat's messages would render.
 
 Runs on: the server's tokenizer threads, while a request is planned. `instructions`
-is a system message; message items keep their role and text; an earlier turn's
-`function_call` items become that turn's assistant `tool_calls` (consecutive calls,
-and calls right after an assistant message, join one assistant message) and a
-`function_call_output` a `tool` message answering its `call_id`, which is how chat's
-assistant tool_calls and tool messages reach the template. A bad item is a 400 naming it.
+is a system message; a continued response's earlier items (its stored conversation:
+inputs and outputs alike) come before `input`'s; message items keep their role and
+text; an earlier turn's `function_call` items become that turn's assistant
+`tool_calls` (consecutive calls, and calls right after an assistant message, join one
+assistant message) and a `function_call_output` a `tool` message answering its
+`call_id`, which is how chat's assistant tool_calls and tool messages reach the
+template. A bad item is a 400 naming it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from server.errors import bad_request
@@ -26,18 +29,27 @@ ROLES = frozenset({"system", "developer", "user", "assistant"})
 TEXT_PARTS = frozenset({"input_text", "output_text"})  # output_text: an earlier reply
 
 
-def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """`instructions` then `input` as chat-template messages; a 400 names the bad item."""
+def input_items(request: ResponsesRequest) -> list[ResponsesInputItem]:
+    """`input` as items (a string is one user message); an empty list is a 400."""
+    if isinstance(request.input, str):
+        return [ResponsesInputItem(type="message", role="user", content=request.input)]
+    if not request.input:
+        raise bad_request("input must not be an empty list", param="input")
+    return list(request.input)
+
+
+def input_messages(
+    request: ResponsesRequest, history: Sequence[ResponsesInputItem] = ()
+) -> list[dict[str, Any]]:
+    """`instructions`, the earlier turns' items (`previous_response_id`'s conversation),
+    then `input`, as chat-template messages; a 400 names the bad item."""
     messages: list[dict[str, Any]] = []
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
-    if isinstance(request.input, str):
-        messages.append({"role": "user", "content": request.input})
-        return messages
-    if not request.input:
-        raise bad_request("input must not be an empty list", param="input")
-    for index, item in enumerate(request.input):
-        where = f"input[{index}]"
+    items = input_items(request)
+    earlier = len(history)
+    for index, item in enumerate([*history, *items]):
+        where = f"input[{index - earlier}]" if index >= earlier else "previous_response_id"
         try:
             if item.type == "function_call":
                 _add_call(messages, item, where)

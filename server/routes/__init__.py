@@ -3,8 +3,8 @@
 Owns: `Served`, what every handler reads (the config, the runtime, the metrics, the
 tokenizer pool), kept on `app.state.served` by server.app and handed to a handler by
 `served` (a FastAPI dependency). Families: server.routes.probes (health, readiness,
-version), .models (/v1/models), .generate (completions, chat, responses, SageMaker's
-/invocations), .tokens (vLLM's /tokenize, /detokenize, /tokenizer_info).
+version), .models (/v1/models), .generate (completions, chat, responses and stored
+responses, SageMaker's /invocations), .tokens (vLLM's /tokenize, /detokenize, /tokenizer_info).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from server.config import ServerConfig
 from server.lifecycle import Runtime
 from server.lora import LoraRegistry
 from server.metrics import EngineMetrics
+from server.response_store import ResponseStore
 
 T = TypeVar("T")
 
@@ -37,6 +38,7 @@ class Served:
     text_pool: ThreadPoolExecutor
     created: int  # the model card's `created` (the app's start, unix seconds)
     loras: LoraRegistry  # the LoRA adapters served (server.lora)
+    responses: ResponseStore  # stored Responses API responses (server.response_store)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)

@@ -29,6 +29,7 @@ TOOL_TEMPLATE = (
     "</tool_call>{% endfor %}"
     "{% elif message.role == 'tool' %}[{{ message.tool_call_id }}] {{ message.content }}"
     "{% else %}{{ message.content }}{% endif %}{{ eos_token }}\n{% endfor %}"
+    "{% if reasoning_effort is defined %}<|effort|>{{ reasoning_effort }}\n{% endif %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
@@ -52,10 +53,12 @@ class RecordingTokenizer(Tokenizer):
 
 @dataclass
 class ScriptedEngine:
-    """Each request gets `script` (sample 0's deltas), then ends, or fails with `failure`."""
+    """Each request gets `script` (sample 0's deltas), then ends, or fails with `failure`;
+    with `hold` it stays open after the script (until aborted, which it only records)."""
 
     script: list[Delta] = field(default_factory=list)
     failure: RequestFailed | None = None
+    hold: bool = False
     submitted: list[ActiveRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     alive: bool = True
@@ -65,7 +68,8 @@ class ScriptedEngine:
         stream = RequestStream(request.request_id, request.n)
         for delta in self.script:
             stream.push(delta)
-        stream.close(error=self.failure)
+        if not self.hold:
+            stream.close(error=self.failure)
         return stream
 
     def abort(self, request_id: str) -> None:

@@ -165,3 +165,14 @@ def test_request_id_is_echoed_or_made(live: LiveServer) -> None:
     assert given.headers["x-request-id"] == "abc-123"
     made = httpx.post(live.v1 + "/completions", json=OK_PROMPT, timeout=30)
     assert len(made.headers["x-request-id"]) >= 16
+
+
+def test_max_tokens_past_the_room_left_is_cut_to_it(live: LiveServer) -> None:
+    """vLLM's rule: max_tokens up to the context is taken, and the context's end stops the
+    reply ("length"); only max_tokens past the whole context is a 400 (above)."""
+    prompt = list(range(5, 5 + MAX_MODEL_LEN - 3))  # three positions left
+    body = {"prompt": prompt, "max_tokens": MAX_MODEL_LEN, "ignore_eos": True}
+    out = httpx.post(live.v1 + "/completions", json=body, timeout=60)
+    assert out.status_code == 200, out.text
+    assert out.json()["usage"]["completion_tokens"] == 3
+    assert out.json()["choices"][0]["finish_reason"] == "length"

@@ -267,9 +267,17 @@ CASES = [
      "arguments": "{oops"}]}, 400, "input", "is not JSON"),
     ("output without call_id", {"input": [{"type": "function_call_output", "output": "x"}]}, 400,
      "input", "input[0].call_id"),
-    ("store true", {"store": True}, 400, "store", "no state is kept"),
-    ("previous_response_id", {"previous_response_id": "resp_1"}, 400, "previous_response_id",
-     "no state is kept"),
+    ("unknown previous_response_id", {"previous_response_id": "resp_1"}, 404,
+     "previous_response_id", "Response with id 'resp_1' not found."),
+    ("conversation", {"conversation": "conv_1"}, 400, "conversation", "previous_response_id"),
+    ("background without store", {"background": True, "store": False}, 400, "background",
+     "`store` is true"),
+    ("include of another kind", {"include": ["reasoning.encrypted_content"]}, 400, "include",
+     "reasoning.encrypted_content"),
+    ("top_logprobs without include", {"top_logprobs": 2}, 400, "top_logprobs", "include"),
+    ("reasoning summary", {"reasoning": {"summary": "auto"}}, 400, "reasoning", "summary"),
+    ("unknown effort", {"reasoning": {"effort": "extreme"}}, 400, "reasoning", "effort"),
+    ("repetition_penalty", {"repetition_penalty": 1.3}, 400, "repetition_penalty", None),
     ("unknown model", {"model": "gpt-9"}, 404, "model", "gpt-9"),
     ("image part", {"input": [{"role": "user", "content": IMAGE}]}, 400, "input", "text-only"),
     ("unknown item type", {"input": [{"type": "reasoning", "summary": []}]}, 400, "input",
@@ -279,7 +287,8 @@ CASES = [
     ("bad role", {"input": [{"role": "wizard", "content": "x"}]}, 400, "input", "wizard"),
     ("zero max_output_tokens", {"max_output_tokens": 0}, 400, "max_output_tokens", None),
     ("temperature above 2", {"temperature": 3}, 400, "temperature", None),
-    ("background", {"background": True}, 400, "background", None),
+    ("background streamed", {"background": True, "stream": True}, 400, "stream",
+     "cannot be streamed"),
 ]  # fmt: skip
 
 
@@ -575,3 +584,96 @@ def test_named_streams_its_arguments_as_they_come(scripted) -> None:
                     "status": "completed"}  # fmt: skip
     assert {d["item_id"] for _, d in events[3:6]} == {item["id"]}
     assert events[-1][1]["response"]["output"] == [item]
+
+
+# ---- logprobs, reasoning effort, vLLM's extras ---------------------------------------------
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def logprob_rows(entries) -> list[tuple]:
+    """(token, logprob, bytes, alternatives) of each position, from SDK objects."""
+    return [
+        (e.token, e.logprob, e.bytes, [(t.token, t.logprob, t.bytes) for t in e.top_logprobs])
+        for e in entries
+    ]
+
+
+def test_logprobs_are_chats_whole_and_streamed(client: openai.OpenAI) -> None:
+    kwargs = {"model": MODEL_NAME, "input": QUESTION, "max_output_tokens": 6, "temperature": 0}
+    whole = client.responses.create(include=LOGPROBS, top_logprobs=3, **kwargs)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    rows = logprob_rows(whole.output[0].content[0].logprobs)
+    assert rows == logprob_rows(chat.choices[0].logprobs.content)
+    assert len(rows) == whole.usage.output_tokens and all(len(r[3]) == 3 for r in rows)
+    events = list(client.responses.create(include=LOGPROBS, top_logprobs=3, stream=True, **kwargs))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas and all(e.logprobs for e in deltas)  # each text delta carries its tokens'
+    assert logprob_rows([lp for e in deltas for lp in e.logprobs]) == rows
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert logprob_rows(done.logprobs) == rows
+    assert client.responses.create(**kwargs).output[0].content[0].logprobs == []
+
+
+def test_response_messages_are_the_prompt_and_reply_tokens(client: openai.OpenAI) -> None:
+    out = client.responses.create(
+        input=QUESTION,
+        max_output_tokens=4,
+        temperature=0,
+        extra_body={"enable_response_messages": True},
+    )
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    [prompt] = out.input_messages  # type: ignore[attr-defined]
+    [reply] = out.output_messages  # type: ignore[attr-defined]
+    assert prompt["type"] == reply["type"] == "raw_message_tokens"
+    assert prompt["tokens"] == chat.prompt_token_ids  # type: ignore[attr-defined]
+    assert QUESTION in prompt["message"]
+    assert reply["tokens"] == chat.choices[0].token_ids  # type: ignore[attr-defined]
+    assert reply["message"] == out.output_text == chat.choices[0].message.content
+    plain = client.responses.create(input=QUESTION, max_output_tokens=1)
+    assert "input_messages" not in plain.model_dump()
+
+
+def test_reasoning_effort_reaches_the_template(scripted) -> None:
+    server, orchestrator, tokenizer = scripted
+    orchestrator.script, orchestrator.failure = [delta("ok", 1, "stop")], None
+    out = sdk(server.base_url).responses.create(input=QUESTION, reasoning={"effort": "low"})
+    messages = [{"role": "user", "content": QUESTION}]
+    effort = {"reasoning_effort": "low", "enable_thinking": True}  # vLLM's two kwargs
+    prompt = orchestrator.submitted[-1].prompt_ids
+    assert prompt == tuple(tokenizer.apply_chat_template(messages, template_kwargs=effort))
+    assert prompt != tuple(tokenizer.apply_chat_template(messages))
+    assert out.reasoning is not None and out.reasoning.effort == "low"
+
+
+def test_vllm_sampling_extras_reach_the_engine(scripted) -> None:
+    server, orchestrator, tokenizer = scripted
+    orchestrator.script, orchestrator.failure = [delta("ok", 1, "stop")], None
+    extras = {
+        "seed": 7,
+        "top_k": 5,
+        "presence_penalty": 0.5,
+        "stop": ["END"],
+        "stop_token_ids": [3],
+        "ignore_eos": True,
+        "logit_bias": {"11": 2.0},
+    }
+    sdk(server.base_url).responses.create(input=QUESTION, extra_body=extras)
+    request = orchestrator.submitted[-1]
+    sampling = request.sampling
+    assert (sampling.seed, sampling.top_k, sampling.presence_penalty) == (7, 5, 0.5)
+    assert request.stop == ("END",) and request.stop_token_ids == (3,) and request.ignore_eos
+    assert dict(sampling.logit_bias or ()) == {11: 2.0}
