@@ -78,8 +78,9 @@ USER 10001:10001
 WORKDIR /var/cache/llm-server
 EXPOSE 8000
 
-# Liveness only (the process and its engine threads are alive); readiness is /ready. The
-# start period covers model load and XLA warm-up. Python, because the slim base has no curl.
+# Healthy once the model is loaded and while its engine lives (/health answers 503 while
+# it loads: the start period covers model load and XLA warm-up); readiness is /ready.
+# Python, because the slim base has no curl.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('LLM_SERVER_PORT', '8000') + '/health', timeout=4)"]
 

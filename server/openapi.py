@@ -49,7 +49,7 @@ _WHY = {
 }
 _GENERATION_ERRORS = (400, 404, 408, 429, 503)
 _PROBES = {
-    "/health": "The process and its engine threads are alive (503: the engine failed)",
+    "/health": "The model is loaded and its engine alive (503: still loading, or failed)",
     "/ping": "SageMaker's health check: /health's answer",
     "/ready": "The model is loaded and warm (503: starting, draining or failed)",
 }

@@ -1,4 +1,4 @@
-"""Probes: /health and SageMaker's /ping (liveness), /ready (readiness), /version.
+"""Probes: /health and SageMaker's /ping (loaded and alive), /ready (readiness), /version.
 
 Receives nothing but the request; emits `{"status": ...}` with 200 or 503, as the
 runtime (server.lifecycle, the one owner of the serving state) answers.
@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 from server.jsonbody import StrictJSONRoute
+from server.lifecycle import State
 from server.routes import Served, served
 
 router = APIRouter(route_class=StrictJSONRoute)
@@ -30,9 +31,15 @@ VERSION = _version()
 
 @router.get("/health")
 async def health(app: Annotated[Served, Depends(served)]) -> Response:
-    if app.runtime.alive:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "failed"}, status_code=503)
+    """200 once the model is loaded and while its engine lives (draining too); 503 while
+    it loads, as a vLLM server answers nothing until its engine is up, so a client that
+    waits for /health may send requests at once; 503 for good once the engine failed."""
+    runtime = app.runtime
+    if not runtime.alive:
+        return JSONResponse({"status": "failed"}, status_code=503)
+    if runtime.state is State.LOADING:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/ping")

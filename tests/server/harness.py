@@ -70,7 +70,8 @@ def wait_ready(base_url: str, timeout: float, proc: subprocess.Popen | None = No
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(base_url + "/ready", timeout=2).status_code == 200:
                 return
-            if httpx.get(base_url + "/health", timeout=2).status_code == 503:
+            health = httpx.get(base_url + "/health", timeout=2)
+            if health.status_code == 503 and health.json()["status"] == "failed":
                 raise RuntimeError(f"server at {base_url} failed while starting")
         time.sleep(0.1)
     raise TimeoutError(f"server at {base_url} not ready after {timeout} s")
