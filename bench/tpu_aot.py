@@ -175,6 +175,7 @@ def sampling_shapes(rows: int, vocab: int, mesh: Mesh) -> SamplingArrays:
         top_p=a((rows,), f),
         presence_penalty=a((rows,), f),
         frequency_penalty=a((rows,), f),
+        repetition_penalty=a((rows,), f),
         min_tokens=a((rows,), i),
         key=a((rows, 2), jnp.uint32),
         logprobs=a((rows,), bool),

@@ -30,6 +30,9 @@ from engine.types import (
 )
 
 CANDIDATES = 64  # top-k / top-p thresholds within this many best tokens avoid a bisection
+# A row's counts (engine.core.runner) add this to each token of its prompt when its
+# repetition penalty needs them: exact in float32 beside any count of a context (< 2**20).
+PROMPT_SEEN = 1 << 20
 
 
 class SamplingArrays(NamedTuple):
@@ -40,6 +43,7 @@ class SamplingArrays(NamedTuple):
     top_p: jax.Array  # float32; 1 = off
     presence_penalty: jax.Array  # float32
     frequency_penalty: jax.Array  # float32
+    repetition_penalty: jax.Array  # float32; 1 = off
     min_tokens: jax.Array  # int32
     key: jax.Array  # uint32 (2,): raw threefry key of the request's seed
     logprobs: jax.Array  # bool: the request wants logprobs
@@ -95,6 +99,7 @@ def host_arrays(sampling: SamplingParams, vocab_size: int) -> SamplingArrays:
         "top_p": np.float32(sampling.top_p),
         "presence_penalty": np.float32(sampling.presence_penalty),
         "frequency_penalty": np.float32(sampling.frequency_penalty),
+        "repetition_penalty": np.float32(sampling.repetition_penalty),
         "min_tokens": np.int32(sampling.min_tokens),
         "key": seed_key(sampling.seed),
         "logprobs": np.bool_(sampling.logprobs is not None),
@@ -377,8 +382,9 @@ def with_logprobs(
 
 
 def penalized(params: SamplingArrays) -> jax.Array:
-    """Per row, whether presence or frequency penalties apply (and so token counts matter)."""
-    return (params.presence_penalty != 0) | (params.frequency_penalty != 0)
+    """Per row, whether a penalty applies (presence, frequency, repetition): counts matter."""
+    penalty = (params.presence_penalty != 0) | (params.frequency_penalty != 0)
+    return penalty | (params.repetition_penalty != 1)
 
 
 def biased(params: SamplingArrays) -> jax.Array:
@@ -414,12 +420,18 @@ def _adjust(
     generated: jax.Array,
     eos_mask: jax.Array,
 ) -> jax.Array:
-    """Penalties, then EOS held back below min_tokens: two passes over (B, vocab)."""
+    """Penalties in vLLM's order (repetition over every token seen, the prompt's marked
+    PROMPT_SEEN in the counts; then presence and frequency over the output's), then EOS
+    held back below min_tokens. A row without repetition keeps its logits' bits there."""
     counts_f = counts[: logits.shape[0]].astype(jnp.float32)
+    output = jnp.where(counts_f >= PROMPT_SEEN, counts_f - PROMPT_SEEN, counts_f)
+    repetition = params.repetition_penalty[:, None]
+    repeated = jnp.where(logits > 0, logits / repetition, logits * repetition)
+    logits = jnp.where((counts_f > 0) & (repetition != 1), repeated, logits)
     adjusted = (
         logits
-        - params.presence_penalty[:, None] * (counts_f > 0)
-        - params.frequency_penalty[:, None] * counts_f
+        - params.presence_penalty[:, None] * (output > 0)
+        - params.frequency_penalty[:, None] * output
     )
     hold_eos = (generated < params.min_tokens)[:, None] & eos_mask[None, :]
     return jnp.where(hold_eos, -jnp.inf, adjusted)

@@ -154,6 +154,9 @@ class SamplingParams:
     of every sampled position; `allowed_token_ids` (None: every token) restricts
     sampling to those ids. Both shape only what is sampled: logprobs stay those
     of the model's raw logits (vLLM's default logprobs mode).
+    `repetition_penalty` (vLLM's and transformers'; 1: off) divides a positive logit and
+    multiplies a negative one of every token in the prompt or the output so far, before the
+    presence and frequency penalties (which count the output only) are subtracted.
     `constraint` (structured outputs) restricts every sampled token to those its
     grammar allows next, together with allowed_token_ids; the sample ends with
     "stop" as soon as the grammar is complete, whatever ignore_eos or min_tokens say
@@ -167,6 +170,7 @@ class SamplingParams:
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
@@ -175,12 +179,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         """Every value must be one the device arrays hold exactly (float32, int32, 64-bit key)."""
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        names = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+        for name in (*names, "repetition_penalty"):
             value = getattr(self, name)
             if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
                 raise ValueError(f"{name} must be a finite float32 number, got {value}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.repetition_penalty > 0:
+            raise SamplingError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -195,6 +205,13 @@ class SamplingParams:
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise SamplingError("allowed_token_ids must not be empty", "allowed_token_ids")
         self._check_logprob_token_ids()
+
+    @property
+    def penalized(self) -> bool:
+        """A penalty reads the tokens before each position (presence, frequency, repetition)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     def _check_logprob_token_ids(self) -> None:
         """vLLM's rules: a non-empty list of at most MAX_LOGPROB_TOKEN_IDS, and logprobs set."""

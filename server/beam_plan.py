@@ -41,6 +41,7 @@ _NOT_WITH_BEAMS: tuple[tuple[str, Callable[[SamplingFields], bool]], ...] = (
     ("allowed_token_ids", lambda r: r.allowed_token_ids is not None),
     ("presence_penalty", lambda r: bool(r.presence_penalty)),
     ("frequency_penalty", lambda r: bool(r.frequency_penalty)),
+    ("repetition_penalty", lambda r: r.repetition_penalty not in (None, 1.0)),
     ("prompt_logprobs", lambda r: r.prompt_logprobs is not None),
 )
 

@@ -332,6 +332,9 @@ def sampling_params(
             logprobs=logprobs,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if request.repetition_penalty is None else request.repetition_penalty
+            ),
             min_tokens=request.min_tokens,
             logit_bias=bias,
             allowed_token_ids=(

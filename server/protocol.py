@@ -127,16 +127,15 @@ class SamplingFields(RequestModel):
     length_penalty: StrictFloat | None = _float()  # vLLM reads it in beam search alone
     early_stopping: StrictBool = False
     priority: StrictInt = 0  # vLLM's; 0 (its default scheduling) is all there is here
+    # vLLM's and transformers': prompt and output tokens' logits pulled towards 0 (1: off)
+    repetition_penalty: StrictFloat | None = _float(gt=0.0)
     # known but unsupported: rejected when they would change the output
-    repetition_penalty: StrictFloat | None = _float()
     min_p: StrictFloat | None = _float()
     kv_transfer_params: dict[str, Any] | None = None
     bad_words: list[StrictStr] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first set field we cannot honour, else None."""
-        if self.repetition_penalty not in (None, 1.0):
-            return "repetition_penalty", "repetition_penalty is not supported"
         if self.min_p not in (None, 0.0):
             return "min_p", "min_p is not supported"
         if self.kv_transfer_params is not None:
@@ -452,7 +451,7 @@ class ResponsesRequest(RequestModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     logit_bias: dict[StrictStr, StrictFloat] | None = None
-    repetition_penalty: StrictFloat | None = _float()
+    repetition_penalty: StrictFloat | None = _float(gt=0.0)
     min_p: StrictFloat | None = _float()
     # known but unsupported: rejected when they would change the output
     conversation: Any = None
@@ -480,8 +479,6 @@ class ResponsesRequest(RequestModel):
             return "prompt", "prompt templates are not supported"
         if self.truncation == "auto":
             return "truncation", "truncation: auto is not supported"
-        if self.repetition_penalty not in (None, 1.0):
-            return "repetition_penalty", "repetition_penalty is not supported"
         if self.min_p not in (None, 0.0):
             return "min_p", "min_p is not supported"
         return None

@@ -76,6 +76,7 @@ def plan_response(
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=request.logit_bias,
+        repetition_penalty=request.repetition_penalty,
     )
     check_common(fields, config, config.model_name)
     note_ignored(request)

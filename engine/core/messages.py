@@ -27,6 +27,7 @@ class Sample(msgspec.Struct, frozen=True):
     logprobs: int | None
     presence_penalty: float
     frequency_penalty: float
+    repetition_penalty: float
     min_tokens: int
     logit_bias: tuple[tuple[int, float], ...]
     allowed_token_ids: tuple[int, ...] | None
@@ -44,6 +45,7 @@ class Sample(msgspec.Struct, frozen=True):
             logprobs=sampling.logprobs,
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
             min_tokens=sampling.min_tokens,
             logit_bias=sampling.logit_bias,
             allowed_token_ids=sampling.allowed_token_ids,
@@ -59,6 +61,7 @@ class Sample(msgspec.Struct, frozen=True):
             logprobs=self.logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
             logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,

@@ -28,6 +28,7 @@ class RowWork:
     fresh: bool = False  # its first step: the row's counts start from zero...
     prior: tuple[int, ...] = ()  # its row's counts rebuilt from these tokens first: those it
     # sampled before a preemption, or on a disaggregated core's other device set
+    seen: tuple[int, ...] = ()  # ...and its prompt, marked there for its repetition penalty
     allowed: np.ndarray | None = None  # structured outputs: its next token's mask
     prompt_next: tuple[int, ...] = ()  # prompt logprobs: each position's next prompt token
     prompt_top: int = 0  # ...and how many alternatives each

@@ -3,10 +3,10 @@
 Runs on: the scheduler loop's thread. Owns: params placed on the mesh (layers stacked),
 the KV pages (every layer's in one array, KVLayout.stacked, split over the mesh by kv
 head, donated to every step), the per-row sampling state on the device (token counts
-for penalties), and the jitted programs, compiled for every shape in `Shapes` at
-warm-up. Receives a `StepPlan` from the scheduler; emits a `StepResult` (host numpy:
-one sampled token per sequence of the plan, with logprobs, and the prompt logprobs the
-plan asked for).
+for penalties, a repetition penalty's prompt marked there), and the jitted programs,
+compiled for every shape in `Shapes` at warm-up. Receives a `StepPlan` from the
+scheduler; emits a `StepResult` (host numpy: one sampled token per sequence of the plan,
+with logprobs, and the prompt logprobs the plan asked for).
 
 No scheduling questions cross this seam: the plan says which tokens of which sequences
 run, at which positions, in which pages; the runner pads them to a bucket and runs.
@@ -45,7 +45,7 @@ from engine.paged_model import (
     row_invariant_products,
     stack_layers,
 )
-from engine.sampling import Sampled, SamplingArrays, host_arrays, sample
+from engine.sampling import PROMPT_SEEN, Sampled, SamplingArrays, host_arrays, sample
 from engine.sampling_tpu import backend_sampler
 from engine.types import MAX_LOGPROBS, SamplingParams
 
@@ -127,12 +127,13 @@ def prompt_logprobs_program(
     return chosen, ids, values
 
 
-def _recount(counts: jax.Array, row: jax.Array, ids: jax.Array) -> jax.Array:
-    """Row `row` of the counts: how often each of `ids` occurs (ids past the vocabulary
-    are padding)."""
+def _recount(counts: jax.Array, row: jax.Array, ids: jax.Array, seen: jax.Array) -> jax.Array:
+    """Row `row` of the counts: how often each of `ids` occurs, plus PROMPT_SEEN at each
+    of `seen` (a repetition penalty's prompt); ids past the vocabulary are padding."""
     vocab = counts.shape[1]
     fresh = jnp.zeros((vocab,), counts.dtype).at[ids].add(1, mode="drop")
-    return counts.at[row].set(fresh)
+    marked = jnp.zeros((vocab,), counts.dtype).at[seen].max(PROMPT_SEEN, mode="drop")
+    return counts.at[row].set(fresh + marked)
 
 
 def _layer_ids(ids: jax.Array, layers: int, per_layer: int) -> jax.Array:
@@ -185,7 +186,8 @@ class StepCall:
     fresh: np.ndarray  # (S,) bool
     sampling: SamplingArrays  # (S, ...) host arrays
     generated: np.ndarray  # (S,) int32
-    recount: tuple[tuple[int, np.ndarray], ...] = ()  # rows whose counts are rebuilt first
+    # rows whose counts are rebuilt first: (row, (2, max_model_len) ids: counted, then seen)
+    recount: tuple[tuple[int, np.ndarray], ...] = ()
     following: np.ndarray | None = None  # (T,) int32: prompt logprobs' next tokens
     carry: np.ndarray | None = None  # (T,) int32: tokens from the step before (None: none)
 
@@ -312,7 +314,7 @@ class Runner:
         idle = StepPlan(())
         for tokens, seqs in self.shapes.pairs():
             self.collect(idle, self.execute(self._call(idle, tokens, seqs)))
-        ids = np.full(self.max_model_len, self.cfg.vocab_size, np.int32)
+        ids = np.full((2, self.max_model_len), self.cfg.vocab_size, np.int32)
         # prompt logprobs, and a rebuilt row once, in a pair of each token bucket (compiled above)
         firsts = [(t, self.shapes.seq_choices(t)[0]) for t in self.shapes.token_buckets]
         if self.shapes.single_row:
@@ -368,9 +370,10 @@ class Runner:
                 start += len(r.chunk.tokens) + len(r.drafts)
         recount = []
         for work in plan.rows:
-            if work.prior:  # back after a preemption: its penalties count what it had
-                ids = np.full(self.max_model_len, self.cfg.vocab_size, np.int32)
-                ids[: len(work.prior)] = work.prior
+            if work.prior or work.seen:  # back after a preemption, or a repetition penalty
+                ids = np.full((2, self.max_model_len), self.cfg.vocab_size, np.int32)
+                ids[0, : len(work.prior)] = work.prior  # what it had sampled: counted
+                ids[1, : len(work.seen)] = work.seen  # its prompt: marked seen
                 recount.append((work.row, ids))
         return self._call(plan, tokens, seqs, following=following, recount=tuple(recount))
 
@@ -427,7 +430,7 @@ class Runner:
         if self.mirror is not None:
             self.mirror(call)
         for row, ids in call.recount:
-            self.counts = self._recount(self.counts, np.int32(row), ids)
+            self.counts = self._recount(self.counts, np.int32(row), ids[0], ids[1])
         step = self._compiled.get((call.tokens, call.rows.shape[0]), self._step)
         sampled, self.pages, self.counts, self.last, hidden = step(*self._step_args(call))
         prompt = None

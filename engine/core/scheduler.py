@@ -346,7 +346,7 @@ class Scheduler:
                 break
             if len(row.chunk.tokens) != 1 or not row.emits or not seq.output:
                 continue
-            if seq.sampling.presence_penalty or seq.sampling.frequency_penalty:
+            if seq.sampling.penalized:
                 continue  # a position's penalties count the tokens before it
             k = min(
                 room,
@@ -415,14 +415,17 @@ class Scheduler:
                 tokens[p + 1] if p + 1 < len(seq.prompt) else -1 for p in range(start, start + n)
             )
         fed = (0,) if seq.owed else tokens[start : start + n]  # 0: read on the device
+        rebuilt = fresh or seq.recount  # the row's counts are (re)built this step
+        seen = tuple(seq.prompt) if rebuilt and seq.sampling.repetition_penalty != 1.0 else ()
         return RowWork(
             chunk=Chunk(fed, start, tuple(seq.pages)),
             row=seq.row,
             sampling=seq.sampling,
             generated=len(seq.output) + seq.owed,
             emits=start + n == seq.length,
-            fresh=fresh and not seq.output,
-            prior=tuple(seq.output) if fresh or seq.recount else (),
+            fresh=fresh and not seq.output and not seen,
+            prior=tuple(seq.output) if rebuilt else (),
+            seen=seen,
             allowed=seq.mask,
             prompt_next=prompt_next,
             prompt_top=seq.prompt_logprobs or 0,

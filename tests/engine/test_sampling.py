@@ -42,6 +42,7 @@ def batch(rows: int, vocab: int = VOCAB, **values) -> SamplingArrays:
         top_p=full(values.get("top_p", 1.0), jnp.float32),
         presence_penalty=full(values.get("presence_penalty", 0.0), jnp.float32),
         frequency_penalty=full(values.get("frequency_penalty", 0.0), jnp.float32),
+        repetition_penalty=full(values.get("repetition_penalty", 1.0), jnp.float32),
         min_tokens=full(values.get("min_tokens", 0), jnp.int32),
         key=jnp.tile(jnp.asarray(seed_key(int(values.get("seed", 7)))), (rows, 1)),
         logprobs=full(values.get("logprobs", True), bool),
@@ -151,6 +152,46 @@ def test_presence_and_frequency_penalties_steer_greedy(logits):
     np.testing.assert_allclose(presence.top_logprobs, plain.top_logprobs)
 
 
+def test_repetition_penalty_is_vllms_over_the_prompt_and_the_output():
+    """vLLM's (and transformers') formula, in its order: every token seen in the prompt
+    (marked PROMPT_SEEN in the counts) or the output has a positive logit divided by the
+    penalty and a negative one multiplied; presence and frequency then read the output's
+    counts only. The greedy token is the argmax of exactly those logits."""
+    from engine.sampling import PROMPT_SEEN, _adjust
+
+    rng = np.random.default_rng(3)
+    vocab = 50
+    logits = rng.normal(size=(3, vocab)).astype(np.float32) * 3
+    output = rng.integers(0, 3, size=(3, vocab)).astype(np.int32)
+    prompt = rng.random((3, vocab)) < 0.3
+    counts = output + np.where(prompt, PROMPT_SEEN, 0).astype(np.int32)
+    rows = [
+        dict(repetition_penalty=1.7),
+        dict(repetition_penalty=0.6, presence_penalty=0.5, frequency_penalty=0.25),
+        dict(presence_penalty=0.5),  # no repetition: its prompt marks are never set
+    ]
+    counts[2] = output[2]
+    params = jax.tree.map(lambda *a: jnp.concatenate(a), *[batch(1, vocab, **kw) for kw in rows])
+    got = np.asarray(
+        _adjust(jnp.asarray(logits), params, jnp.asarray(counts), jnp.zeros(3, jnp.int32),
+                jnp.zeros(vocab, bool))
+    )  # fmt: skip
+    for i, kw in enumerate(rows):
+        want = logits[i].copy()
+        r = np.float32(kw.get("repetition_penalty", 1.0))
+        seen = (output[i] > 0) | (prompt[i] if r != 1 else False)
+        want = np.where(seen, np.where(want > 0, want / r, want * r), want)
+        want = want - np.float32(kw.get("presence_penalty", 0.0)) * (output[i] > 0)
+        want = want - np.float32(kw.get("frequency_penalty", 0.0)) * output[i]
+        # XLA may divide by the row's penalty as a product with its reciprocal: 1 ulp
+        np.testing.assert_allclose(got[i], want.astype(np.float32), rtol=3e-7, atol=0)
+    tokens = draw(logits[0], rows=1, counts=jnp.asarray(counts[:1]), temperature=0.0,
+                  repetition_penalty=1.7).token  # fmt: skip
+    assert tokens[0] == int(np.argmax(got[0]))
+    plain = draw(logits[0], rows=1, counts=jnp.asarray(counts[:1]), temperature=0.0).token
+    assert plain[0] == int(np.argmax(logits[0]))  # marks alone change nothing
+
+
 def test_min_tokens_holds_back_eos(logits):
     eos = int(np.argmax(logits))
     held = draw(
@@ -220,7 +261,7 @@ def test_a_row_samples_the_same_alone_and_in_every_batch_path(special):
         dict(temperature=0.0, logprobs=True),
         dict(temperature=0.7, top_k=5, top_p=0.8, seed=12),
         dict(temperature=0.0, frequency_penalty=3.0),
-        dict(temperature=0.0, min_tokens=2),
+        dict(temperature=0.0, min_tokens=2, repetition_penalty=1.5),
         dict(temperature=0.5, seed=13, logprobs=True, logprob_token_ids=(5, 0, 599, 5)),
     ]
     per_row = [

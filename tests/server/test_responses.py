@@ -277,7 +277,9 @@ CASES = [
     ("top_logprobs without include", {"top_logprobs": 2}, 400, "top_logprobs", "include"),
     ("reasoning summary", {"reasoning": {"summary": "auto"}}, 400, "reasoning", "summary"),
     ("unknown effort", {"reasoning": {"effort": "extreme"}}, 400, "reasoning", "effort"),
-    ("repetition_penalty", {"repetition_penalty": 1.3}, 400, "repetition_penalty", None),
+    ("repetition_penalty not above 0", {"repetition_penalty": 0}, 400, "repetition_penalty",
+     None),
+    ("min_p", {"min_p": 0.1}, 400, "min_p", None),
     ("unknown model", {"model": "gpt-9"}, 404, "model", "gpt-9"),
     ("image part", {"input": [{"role": "user", "content": IMAGE}]}, 400, "input", "text-only"),
     ("unknown item type", {"input": [{"type": "reasoning", "summary": []}]}, 400, "input",
@@ -670,10 +672,11 @@ def test_vllm_sampling_extras_reach_the_engine(scripted) -> None:
         "stop_token_ids": [3],
         "ignore_eos": True,
         "logit_bias": {"11": 2.0},
+        "repetition_penalty": 1.25,
     }
     sdk(server.base_url).responses.create(input=QUESTION, extra_body=extras)
     request = orchestrator.submitted[-1]
     sampling = request.sampling
     assert (sampling.seed, sampling.top_k, sampling.presence_penalty) == (7, 5, 0.5)
     assert request.stop == ("END",) and request.stop_token_ids == (3,) and request.ignore_eos
-    assert dict(sampling.logit_bias or ()) == {11: 2.0}
+    assert dict(sampling.logit_bias or ()) == {11: 2.0} and sampling.repetition_penalty == 1.25

@@ -314,6 +314,37 @@ def test_stop_reason_names_what_ended_the_choice(client: openai.OpenAI) -> None:
     assert chat_chunks[-1].choices[0].stop_reason == chat_stop  # type: ignore[attr-defined]
 
 
+# --- repetition_penalty -----------------------------------------------------------------
+
+
+def test_repetition_penalty_reaches_the_engine_and_bad_values_are_400s(
+    client: openai.OpenAI,
+) -> None:
+    """The engine's rule is checked against transformers (tests/engine/core/test_core.py);
+    here: completions and chat take it, it changes a greedy reply that repeats itself, and
+    a value not above 0, or one with beam search, is a 400 naming it."""
+    args = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    plain = client.completions.create(**args, extra_body=extra).choices[0]  # type: ignore[call-overload]
+    ids = plain.token_ids  # type: ignore[attr-defined]
+    assert len(set(ids)) < len(ids)  # the random model repeats itself...
+    penalized = client.completions.create(  # type: ignore[call-overload]
+        **args, extra_body={**extra, "repetition_penalty": 2.0}
+    ).choices[0]
+    assert penalized.token_ids != ids  # type: ignore[attr-defined]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=4, extra_body={"repetition_penalty": 1.2}
+    )
+    assert chat.choices[0].message.content is not None
+    for bad in ({"repetition_penalty": 0}, {"repetition_penalty": 1.2, "use_beam_search": True}):
+        error = bad_request(
+            lambda bad=bad: client.completions.create(
+                model=MODEL_NAME, prompt=PROMPT, max_tokens=2, n=2, extra_body=bad
+            )
+        )
+        assert error_of(error)["param"] == "repetition_penalty", error.message
+
+
 # --- fields not served, fields no one reads ---------------------------------------------
 
 

@@ -330,6 +330,35 @@ def test_penalties_read_their_own_sequences_counts(folder) -> None:  # type: ign
     assert tokens([*others, SequenceState("p", tuple(ps[1]), penalized, 12)]) == alone
 
 
+def test_repetition_penalty_is_transformers_alone_batched_and_preempted(folder) -> None:  # type: ignore[no-untyped-def]
+    """Greedy with repetition_penalty 1.5 gives transformers' RepetitionPenaltyLogitsProcessor
+    tokens (over the prompt and the output so far), in a full batch beside greedy rows, and
+    when preemption makes its row's counts (prompt marks too) be built again."""
+    torch, model = hf_model(folder)
+    processor = pytest.importorskip("transformers").RepetitionPenaltyLogitsProcessor(1.5)
+    ps = prompts(load_model_config(folder).vocab_size)
+    repeated = SamplingParams(temperature=0.0, seed=0, repetition_penalty=1.5)
+
+    def reference(prompt: list[int]) -> list[int]:
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in range(8):
+                ids = torch.tensor([tokens])
+                scores = processor(ids, model(ids).logits[:, -1].float())
+                tokens.append(int(scores[0].argmax()))
+        return tokens[len(prompt) :]
+
+    want = {f"s{i}": reference(p) for i, p in enumerate(ps)}
+    assert want != tokens_of(run(make(folder), seqs_of(ps, GREEDY, 8)))  # the penalty matters
+    mixed = seqs_of(ps, repeated, 8)[:3] + seqs_of(ps, GREEDY, 8)[3:]
+    got = tokens_of(run(make(folder), mixed))
+    assert {k: got[k] for k in ("s0", "s1", "s2")} == {k: want[k] for k in ("s0", "s1", "s2")}
+    tight = make(folder, num_pages=10, max_model_len=80)  # as above: some are preempted
+    seqs = seqs_of(ps, repeated, 8)
+    assert tokens_of(run(tight, seqs)) == want
+    assert sum(s.preempted for s in seqs) > 0
+
+
 def test_a_row_taken_over_samples_with_its_new_sequences_parameters(folder) -> None:  # type: ignore[no-untyped-def]
     """One device row: a greedy sequence, then at once a penalized one in the same row (the
     runner reuses the rows' stacked sampling arrays only while every row holds the same

@@ -53,7 +53,13 @@ def split(folder: Any, **options: Any) -> DisaggregatedCore:
 def with_repeats(script: Script, vocab: int) -> Script:
     """A sample whose penalties pull it back to the tokens it has (its row's counts must
     hold its first token, sampled on the other set)."""
-    repeats = SamplingParams(temperature=0.0, seed=0, presence_penalty=-2.0, frequency_penalty=-2.0)
+    repeats = SamplingParams(
+        temperature=0.0,
+        seed=0,
+        presence_penalty=-2.0,
+        frequency_penalty=-2.0,
+        repetition_penalty=1.25,  # its prompt's marks are rebuilt on the other set too
+    )
     script[1] = [request("r", prompts(vocab)[0][19::-1], repeats, 8)]
     return script
 
