@@ -27,7 +27,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from engine.types import TokenLogprobs
 from server.backend import ModelLimits, TokenizerClient
 from server.chat import chat_logprobs, render_messages
 from server.config import ServerConfig
@@ -196,16 +195,12 @@ class ResponsesShaper:
         self.token_ids += delta.token_ids
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if self.logprobs is not None and delta.logprobs is not None:
-            entries = self._logprob_entries(delta.token_ids, delta.logprobs)
+            entries = chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, self.plan)
             self.logprobs += entries
-            self._unsent_logprobs += entries
+            if self.reader is None:  # streamed with the text (else whole, at the end)
+                self._unsent_logprobs += entries
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
-
-    def _logprob_entries(
-        self, token_ids: tuple[int, ...], lps: tuple[TokenLogprobs, ...]
-    ) -> list[dict[str, Any]]:
-        return chat_logprobs(self.tokenizer, token_ids, lps, self.plan)
 
     # --- streamed events ------------------------------------------------------------
 
@@ -300,9 +295,7 @@ class ResponsesShaper:
         """A text delta, with the logprobs of the tokens not yet sent (the reply is all
         message: when it is read for calls, they come with the message's done events)."""
         self._streamed += len(text)
-        logprobs: list[dict[str, Any]] = []
-        if self.reader is None:
-            logprobs, self._unsent_logprobs = self._unsent_logprobs, []
+        logprobs, self._unsent_logprobs = self._unsent_logprobs, []
         return {
             "type": "response.output_text.delta",
             "item_id": self.message_id,
