@@ -82,6 +82,12 @@ def test_paged_programs_compile_fit_and_stay_near_their_roofline(
         assert p["unavoidable_bytes"] > 0 and p["ratio"] >= 1.0
         assert p["unavoidable_flops"] > 0 and p["flops"] >= p["unavoidable_flops"]
         assert p["time_ratio"] >= 1.0 and p["bound"] in ("hbm", "flops")
+    for key in decodes | others - {(f"prompt-logprobs-{CHUNK_SIZE['tpu']}", None, "full")}:
+        p = programs[key]  # a step's figure less its logit-bias and allowed-token branches
+        assert p["bias_mask_bytes"] > 0 and p["bias_mask_flops"] > 0, p
+        plain = p["bytes_accessed"] - p["bias_mask_bytes"]
+        assert p["plain_bytes_accessed"] == pytest.approx(plain) and p["plain_flops"] < p["flops"]
+        assert 1.0 <= p["plain_time_ratio"] <= p["time_ratio"], p
     for key in decodes:
         p = programs[key]
         assert p["ratio"] <= DECODE_RATIO and p["time_ratio"] <= DECODE_RATIO, p
