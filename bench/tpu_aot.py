@@ -34,15 +34,16 @@ program's, and the peak it reports bounds the real program's HBM.
 is then HBM's alone: XLA's count (xla_bytes_accessed) less what it counts of arrays
 outside HBM (on_chip_bytes, read off the program's memory spaces by bench.tpu_hlo), so
 an array in VMEM counts nothing where it is read or written, a copy between HBM and
-VMEM counts its HBM end once, and everything in HBM keeps XLA's own count. XLA counts each `cond`
-at its costliest branch, so one figure serves every batch of that shape: a greedy batch
-and a sampled one (temperature 0.7, top-p 0.9, top-k 50, a presence penalty, logprobs 5)
-read the same figure, which also counts the logit-bias and allowed-token branches
-neither takes. The plain_* figures leave those two out, from the same compiled program:
-bench.tpu_hlo counts it again with each conditional branch in their named scopes
-(engine.sampling_tpu.BIAS_SCOPE, MASK_SCOPE) not taken, and their FLOPs (a few passes of
-elementwise work over the logits) are XLA's for each branch compiled alone over the
-step's logits. XLA cannot see into the Pallas attention kernel;
+VMEM counts its HBM end once, and everything in HBM keeps XLA's own count.
+
+XLA counts each `cond` at its costliest branch, so one figure serves every batch of that
+shape: a greedy batch and a sampled one (temperature 0.7, top-p 0.9, top-k 50, a
+presence penalty, logprobs 5) read the same figure, which also counts the logit-bias and
+allowed-token branches neither takes. The plain_* figures leave those two out, from the
+same compiled program: bench.tpu_hlo counts it again with each conditional branch in
+their named scopes (engine.sampling_tpu.BIAS_SCOPE, MASK_SCOPE) not taken, and their
+FLOPs (a few passes of elementwise work over the logits) are XLA's for each branch
+compiled alone over the step's logits. XLA cannot see into the Pallas attention kernel;
 bench.tpu_roofline.kernel_work adds what it moves and computes by its block rules
 (engine.attention.tpu.kernel_calls).
 unavoidable_bytes: the weights a step must read on the chip (an untied embedding only
