@@ -9,7 +9,11 @@ attend over, summed), compiled, error, compile_s, peak_bytes_per_chip,
 hbm_bytes_per_chip, bytes_accessed, unavoidable_bytes, ratio, flops, unavoidable_flops,
 roofline_s, unavoidable_roofline_s, time_ratio and bound ("hbm" or "flops"), every
 figure per chip; a prompt's program adds once_unavoidable_bytes, once_roofline_s and
-once_time_ratio (against one pass over the weights for the whole prompt).
+once_time_ratio (against one pass over the weights for the whole prompt). A step also
+gives bias_mask_bytes and bias_mask_flops (what its figure counts for the logit-bias and
+allowed-token branches) and plain_bytes_accessed, plain_flops, plain_roofline_s,
+plain_time_ratio, plain_bound (and a prompt's plain_once_time_ratio): the same figures
+for a batch that takes neither branch.
 
 Programs, each the engine core's own (engine.core.runner) with abstract params in the
 checkpoint's layout and the engine's shardings, the TPU's attention and sampler:
@@ -22,15 +26,26 @@ checkpoint's layout and the engine's shardings, the TPU's attention and sampler:
 - `prompt-logprobs` over one chunk's hidden states.
 
 Each program is compiled once, as the server compiles it (its sampling arrays are
-arguments) but for memory-space assignment, which is off: every array lives in HBM, so
-XLA's cost analysis counts HBM traffic only (with it on, a weight staged into VMEM is
-counted when copied in and again when read), an upper bound on the real program's, and
-the peak it reports bounds the real program's HBM. XLA counts each `cond` at its
-costliest branch, so one figure serves every batch of that shape: a greedy batch and a
-sampled one (temperature 0.7, top-p 0.9, top-k 50, a presence penalty, logprobs 5) read
-the same figure, which also counts the logit-bias and allowed-token branches neither
-takes. XLA cannot see into the Pallas attention kernel; bench.tpu_roofline.kernel_work
-adds what it moves and computes by its block rules (engine.attention.tpu.kernel_calls).
+arguments) but for memory-space assignment, which is off by default: every array lives
+in HBM, so XLA's cost analysis counts HBM traffic only (with it on, a weight staged into
+VMEM is counted when copied in and again when read), an upper bound on the real
+program's, and the peak it reports bounds the real program's HBM.
+`--memory-space-assignment` compiles with the server's options instead; bytes_accessed
+is then HBM's alone: XLA's count (xla_bytes_accessed) less what it counts of arrays
+outside HBM (on_chip_bytes, read off the program's memory spaces by bench.tpu_hlo), so
+an array in VMEM counts nothing where it is read or written, a copy between HBM and
+VMEM counts its HBM end once, and everything in HBM keeps XLA's own count.
+
+XLA counts each `cond` at its costliest branch, so one figure serves every batch of that
+shape: a greedy batch and a sampled one (temperature 0.7, top-p 0.9, top-k 50, a
+presence penalty, logprobs 5) read the same figure, which also counts the logit-bias and
+allowed-token branches neither takes. The plain_* figures leave those two out, from the
+same compiled program: bench.tpu_hlo counts it again with each conditional branch in
+their named scopes (engine.sampling_tpu.BIAS_SCOPE, MASK_SCOPE) not taken, and their
+FLOPs (a few passes of elementwise work over the logits) are XLA's for each branch
+compiled alone over the step's logits. XLA cannot see into the Pallas attention kernel;
+bench.tpu_roofline.kernel_work adds what it moves and computes by its block rules
+(engine.attention.tpu.kernel_calls).
 unavoidable_bytes: the weights a step must read on the chip (an untied embedding only
 its gathered rows; a tied one is the head), each sequence's live K/V read once, and the
 new K/V written; unavoidable_flops: bench.tpu_roofline.useful_flops. roofline_s:
@@ -73,7 +88,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bench.model_shapes import CONFIGS, checkpoint_shapes, model_config
-from bench.tpu_report import GIB, Program, summary
+from bench.tpu_hlo import traffic
+from bench.tpu_report import GIB, Counted, Program, summary
 from bench.tpu_roofline import (
     CHIP_PEAKS,
     Peaks,
@@ -97,14 +113,14 @@ from engine.lora import LoraConfig, pool_shapes, pool_sharding
 from engine.mesh import MODEL_AXIS, checkpoint_param_shardings
 from engine.paged_model import StepBatch
 from engine.quant import QUANTIZATIONS, quantized_shapes
-from engine.sampling import SamplingArrays
-from engine.sampling_tpu import backend_sampler
+from engine.sampling import SamplingArrays, add_logit_bias
+from engine.sampling_tpu import BIAS_SCOPE, MASK_SCOPE, apply_token_bitmask, backend_sampler
 from engine.token_mask import mask_words
 from engine.types import MAX_LOGIT_BIAS, MAX_LOGPROB_TOKEN_IDS
 
 # XLA's memory-space assignment for v5e/v5p ("vf") and v6e ("gf") off: every array stays
 # in HBM, so the cost analysis counts HBM traffic only (see the module docstring).
-HBM_ONLY = {
+HBM_ONLY: dict[str, str | bool] = {
     "xla_vf_vmem_memory_space_assignment": False,
     "xla_gf_vmem_memory_space_assignment": False,
 }
@@ -133,6 +149,9 @@ class Setup:
     chip_peaks: str | None = None  # "FLOPS,BYTES_PER_S"; default: CHIP_PEAKS
     max_loras: int = 0  # engine.lora: a pool of this many adapter slots (0: no LoRA)
     max_lora_rank: int = 16
+    # XLA's memory-space assignment on, as the server compiles: bytes are HBM's alone
+    # (bench.tpu_hlo), XLA's own count of every memory space beside them
+    memory_space_assignment: bool = False
 
 
 def placed(shapes: Any, shardings: Any) -> Any:
@@ -253,6 +272,7 @@ class Harness:
             setup.max_num_seqs, setup.max_num_batched_tokens, self.pages_per_seq
         )
         self.programs: list[Program] = []
+        self._branch_flops: dict[int, float] = {}
 
     # -- what a step must do, per chip ------------------------------------------------
     def kv_token_bytes(self) -> int:
@@ -313,22 +333,45 @@ class Harness:
         return min(setup.max_model_len, setup.num_pages // count * setup.page_size)
 
     # -- compiling --------------------------------------------------------------------
+    @property
+    def options(self) -> dict[str, str | bool]:
+        """The compiler options: the server's, or memory-space assignment off."""
+        return {} if self.setup.memory_space_assignment else HBM_ONLY
+
+    def _counted(self, compiled: Any, rows: int | None = None) -> Counted:
+        """A compiled program's bytes and FLOPs: XLA's cost analysis; with memory-space
+        assignment on, its bytes less those it counts of arrays outside HBM (bench.tpu_hlo:
+        an array staged into VMEM counts its copy's HBM end once; one that never leaves
+        VMEM counts nothing). `rows`: a step's sequences, whose logit-bias and
+        allowed-token branches are `untaken`."""
+        cost = compiled.cost_analysis()
+        xla = Work(float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0)))
+        moved = traffic(compiled.as_text(), (BIAS_SCOPE, MASK_SCOPE) if rows is not None else ())
+        flops = self.branch_flops(rows) if rows is not None else 0.0
+        if not self.setup.memory_space_assignment:
+            untaken = Work(moved.all_spaces - moved.plain_all_spaces, flops)
+            return Counted(xla, untaken=untaken)
+        untaken = Work(moved.hbm - moved.plain_hbm, flops)
+        hbm = Work(xla.bytes - moved.on_chip, xla.flops)
+        return Counted(hbm, xla.bytes, moved.on_chip, untaken)
+
     def _compile(
         self,
         programs: Sequence[Program],
         fn: Callable[..., Any],
         args: Sequence[Any],
         donate: tuple[int, ...],
-    ) -> Work | None:
-        """Compiles `fn` once, as the server does but with memory-space assignment off
+        rows: int | None = None,
+    ) -> Counted | None:
+        """Compiles `fn` once, with the server's options or memory-space assignment off
         (module docstring); records on each of `programs` whether it compiled and fits.
-        Returns XLA's bytes and FLOPs of it."""
+        Returns its bytes and FLOPs (`_counted`)."""
         start = time.perf_counter()
         error = None
         try:
             with jax.default_device(self.mesh.devices.flat[0]):  # Pallas asks the device kind
                 lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
-                compiled = lowered.compile(compiler_options=HBM_ONLY)
+                compiled = lowered.compile(compiler_options=self.options)
         except Exception as exc:  # a program that does not compile is a result
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}"
         seconds = round(time.perf_counter() - start, 2)
@@ -349,8 +392,31 @@ class Harness:
             program.peak_bytes_per_chip, program.hbm_bytes_per_chip = peak, self.hbm
         if error is not None:
             return None
-        cost = compiled.cost_analysis()
-        return Work(float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0)))
+        return self._counted(compiled, rows)
+
+    def branch_flops(self, rows: int) -> float:
+        """XLA's FLOPs of the logit-bias and allowed-token branches over a step's `rows`
+        float32 logits as the step holds them (a vocabulary shard a chip where the head is
+        split), each compiled alone: elementwise work and one small product, the same
+        whatever fuses around them (their bytes are the step's own: bench.tpu_hlo)."""
+        if rows not in self._branch_flops:
+            vocab = self.cfg.vocab_size
+            split = PartitionSpec(None, MODEL_AXIS) if self.cfg.head_shards > 1 else PartitionSpec()
+            arrays = sampling_shapes(rows, vocab, self.mesh)
+            logits = jax.ShapeDtypeStruct(
+                (rows, vocab), jnp.float32, sharding=NamedSharding(self.mesh, split)
+            )
+            branches = (
+                (add_logit_bias, (logits, arrays.bias_ids, arrays.bias_values)),
+                (apply_token_bitmask, (logits, arrays.allowed)),
+            )
+            total = 0.0
+            with jax.default_device(self.mesh.devices.flat[0]):
+                for fn, args in branches:
+                    compiled = jax.jit(fn).lower(*args).compile(compiler_options=self.options)
+                    total += float(compiled.cost_analysis().get("flops", 0.0))
+            self._branch_flops[rows] = total
+        return self._branch_flops[rows]
 
     def _batch(self, count: int, tokens: int) -> StepBatch:
 
@@ -416,13 +482,13 @@ class Harness:
         step = functools.partial(
             step_program, cfg=self.cfg, attention=self.attention, sampler=backend_sampler("tpu")
         )
-        xla = self._compile(programs, step, self.step_args(count, tokens), (1, 2, 3))
+        xla = self._compile(programs, step, self.step_args(count, tokens), (1, 2, 3), count)
         if xla is not None:
             for program, (_, _, steps) in zip(programs, variants, strict=True):
                 useful = 0.0
                 for part in steps:
                     kernel = self.kernel(part, tokens)
-                    program.add(xla + kernel, self.unavoidable(part), self.peaks)
+                    program.add(xla.plus(kernel), self.unavoidable(part), self.peaks)
                     program.kernel_flops += kernel.flops
                     useful += attention_flops(self.shape(part))
                 program.attention_flops_ratio = ratio(program.kernel_flops, useful)
@@ -548,6 +614,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the step with a LoRA pool (--max-loras slots of --max-lora-rank), and each "
         "program's bytes over the same program without it",
     )
+    parser.add_argument(
+        "--memory-space-assignment",
+        action="store_true",
+        help="compile as the server does (XLA's memory-space assignment on) and count HBM's "
+        "bytes alone from the program's memory spaces (bench.tpu_hlo)",
+    )
     parser.add_argument("--max-loras", type=int, default=4)
     parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
@@ -573,6 +645,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         chip_peaks=args.chip_peaks,
         max_loras=args.max_loras if args.lora else 0,
         max_lora_rank=args.max_lora_rank,
+        memory_space_assignment=args.memory_space_assignment,
     )
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # TPU programs cannot load here

@@ -1,7 +1,9 @@
 """TPU sampling: a sampled row draws from a prefix of its best tokens.
 
 Owns: `sample` in TPU's form and `backend_sampler`, the one choice of sampler per
-backend (the runner's step and bench.tpu_aot both ask it). engine.sampling stays the
+backend (the runner's step and bench.tpu_aot both ask it), and the named scopes of its
+logit-bias and allowed-token branches (`BIAS_SCOPE`, `MASK_SCOPE`: metadata only, by
+which bench.tpu_aot finds them in the compiled program). engine.sampling stays the
 definition elsewhere (CPU's bit-exact forms: fixed-order tree sums, a top-k / top-p
 bisection over the vocabulary when a threshold lies past its candidates).
 
@@ -29,6 +31,10 @@ from engine.logprobs import top_logprobs
 from engine.sampling import Sampled, SamplingArrays
 
 TOP_CANDIDATES = 128  # the tokens a sampled row draws from
+# Named scopes of the logit-bias and allowed-token branches (names in the compiled
+# program's metadata only): bench.tpu_aot finds them there to count a batch without them.
+BIAS_SCOPE = "sampling_logit_bias"
+MASK_SCOPE = "sampling_allowed_tokens"
 
 
 def backend_sampler(platform: str) -> Callable[..., Sampled]:
@@ -83,18 +89,17 @@ def _special_rows(
 
     adjusting = jnp.any(sampling.penalized(params) | (generated < params.min_tokens))
     adjusted = lax.cond(adjusting, adjust, lambda: logits)
-    adjusted = lax.cond(
-        jnp.any(sampling.biased(params)),
-        lambda x: sampling.add_logit_bias(x, params.bias_ids, params.bias_values),
-        lambda x: x,
-        adjusted,
-    )
-    adjusted = lax.cond(
-        jnp.any(params.masked),
-        lambda x: apply_token_bitmask(x, params.allowed),
-        lambda x: x,
-        adjusted,
-    )
+
+    def bias(x: jax.Array) -> jax.Array:
+        with jax.named_scope(BIAS_SCOPE):
+            return sampling.add_logit_bias(x, params.bias_ids, params.bias_values)
+
+    def mask(x: jax.Array) -> jax.Array:
+        with jax.named_scope(MASK_SCOPE):
+            return apply_token_bitmask(x, params.allowed)
+
+    adjusted = lax.cond(jnp.any(sampling.biased(params)), bias, lambda x: x, adjusted)
+    adjusted = lax.cond(jnp.any(params.masked), mask, lambda x: x, adjusted)
     greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)  # XLA's reduce: one pass
     drawing = params.temperature > 0
     drawn = lax.cond(

@@ -28,10 +28,12 @@ AWAITING_MEASUREMENT = "awaiting measurement on a GPU (bench.gpu_decode; today's
 
 BACKEND_DEFAULTS = {
     "cpu": BackendDefaults(256, 16, 0.9, "bench/README.md, CPU"),
-    # A TPU step reads every weight once per chunk: a 1,024-token prompt in chunks of 256
-    # took 1.70x the roofline time of one pass over the weights (the 1B on v5e), in
-    # chunks of 512 ~1.1x (bench/README.md, "TPU programs").
-    "tpu": BackendDefaults(512, 16, 0.9, 'bench/README.md, "TPU programs"'),
+    # A TPU step reads every weight once per chunk: a 1,024-token prompt's roofline time
+    # over one pass over the weights and its K/V, the 8B at TP 4 on v6e compiled as the
+    # server compiles it: 1.72x in chunks of 512, 1.09x in one chunk of 1,024 (the 1B
+    # on v5e: 1.34x and 1.18x with every array counted in HBM; bench/README.md, "TPU
+    # programs", "The prompt chunk on TPU").
+    "tpu": BackendDefaults(1024, 16, 0.9, 'bench/README.md, "TPU programs"'),
     # Not yet measured on a GPU: the values served before this table existed.
     # The allocator's share: deploy/overlays/gpu's 0.90, now the engine's own default.
     "gpu": BackendDefaults(256, 16, 0.9, AWAITING_MEASUREMENT, allocator_fraction=0.9),
