@@ -487,14 +487,11 @@ async def run_in_background(
     shaper: ResponsesShaper,
     update: Callable[[dict[str, Any]], None],
 ) -> None:
-    """A background response's run: in progress at its first token, then the whole
+    """A background response's run: "queued" until it ends, as vLLM 0.32 keeps it (a
+    client that polls while the status is "queued" gets the result), then the whole
     response, or "failed" with the error; a cancellation stops it (the store says so)."""
-    started = False
     try:
         async for item in generation.deltas():
-            if not started:
-                started = True
-                update(shaper.response_object(None, status="in_progress"))
             shaper.apply(item)
         update(shaper.response(generation.completion_tokens))
     except APIError as error:

@@ -15,10 +15,11 @@ faster per token (~5 us vs ~50-80 us), both far below a decode step.
 
 Masks use the engine's layout: token t is bit t % 32 of int32 word t // 32, over the
 model's vocabulary (which may be larger than the tokenizer's: the extra ids are never
-allowed). JSON grammars allow no free whitespace (compact separators), and an object
-takes only the keys it lists unless it says otherwise (tokenization.json_schema), so a
-model can neither fill its budget with blanks nor with invented keys: the output of a
-small schema ends.
+allowed). JSON grammars allow between two tokens what a pretty-printer writes there (one
+space, or a line break and an indent of at most 16 blanks; tool calls none), never a
+free run of whitespace, and an object takes only the keys it lists unless it says otherwise
+(tokenization.json_schema), so a model can neither fill its budget with blanks nor with
+invented keys: the output of a small schema ends.
 """
 
 from __future__ import annotations
@@ -51,7 +52,14 @@ LIMITS = dict(
     max_grammar_size=100_000,
     verbose_errors=False,  # errors name the problem, not the parser's state
 )
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# A model that writes JSON as `json.dumps(indent=2 or 4)` does keeps its layout (forbidding
+# it made a model that wants `{\n  "` close the object at once); a gap stays bounded, so a
+# random-weight model's objects end (tests/server/test_structured_ends.py). A schema's own
+# `x-guidance` (llguidance's options) may say otherwise; the separators are always ours.
+JSON_WHITESPACE = r"(\x20|\n\x20{0,16})?"
+JSON_LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
+JSON_SEPARATORS = {"item_separator": ",", "key_separator": ":"}
+COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}
 
 
 class GrammarError(ValueError):
@@ -67,10 +75,14 @@ class GrammarSpec:
     text: str
 
     @classmethod
-    def json_schema(cls, schema: Any) -> GrammarSpec:
+    def json_schema(cls, schema: Any, compact: bool = False) -> GrammarSpec:
         """A JSON schema (a dict, or a bool), its objects closed to the keys they list
-        unless they say otherwise (tokenization.json_schema: vLLM's reading)."""
-        return cls("json", json.dumps(closed(schema), separators=(",", ":")))
+        unless they say otherwise (tokenization.json_schema: vLLM's reading). `compact`:
+        no whitespace at all (a dict schema; tool calls, whose layout no one reads)."""
+        body = closed(schema)
+        if compact:
+            body = {**body, "x-guidance": COMPACT}
+        return cls("json", json.dumps(body, separators=(",", ":")))
 
     @classmethod
     def choice(cls, options: list[str]) -> GrammarSpec:
@@ -210,7 +222,11 @@ class GrammarCompiler:
 
 def _grammar_text(spec: GrammarSpec) -> str:
     if spec.kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            spec.text,
+            defaults=JSON_LAYOUT,  # type: ignore[arg-type]
+            overrides=JSON_SEPARATORS,  # type: ignore[arg-type]
+        )
     if spec.kind == "choice":
         options = json.loads(spec.text)
         if not options or not all(isinstance(o, str) and o for o in options):

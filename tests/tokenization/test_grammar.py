@@ -62,15 +62,60 @@ def test_a_matcher_advances_and_completes(gpt2: Tokenizer, compiler: GrammarComp
         grammar.matcher().advance(gpt2.encode(" x", add_special_tokens=False)[0])
 
 
-def test_json_allows_no_free_whitespace(gpt2: Tokenizer, compiler: GrammarCompiler) -> None:
-    schema = {"type": "array", "items": {"type": "integer"}}
-    grammar = compiler.compile(GrammarSpec.json_schema(schema))
-    matcher = grammar.matcher()
-    matcher.advance(gpt2.encode("[", add_special_tokens=False)[0])
-    mask = np.empty_like(grammar.initial_mask())
-    matcher.fill_mask(mask)
-    texts = {gpt2.decode([i]) for i in allowed_ids(mask)}
-    assert "1" in texts and not any(t.strip() != t or not t for t in texts)
+def accepts(
+    gpt2: Tokenizer, compiler: GrammarCompiler, schema: object, text: str, compact: bool = False
+) -> bool:
+    """Whether the schema's grammar takes `text` whole, token by token."""
+    matcher = compiler.compile(GrammarSpec.json_schema(schema, compact)).matcher()
+    ids = gpt2.encode(text, add_special_tokens=False)
+    try:
+        return [matcher.advance(t) for t in ids][-1]
+    except GrammarError:
+        return False
+
+
+NESTED = {
+    "type": "object",
+    "properties": {"a": {"type": "array", "items": {"type": "object", "properties": {"b": {}}}}},
+}
+
+
+@pytest.mark.parametrize("indent", [None, 2, 4])
+def test_json_takes_what_a_pretty_printer_writes(
+    gpt2: Tokenizer, compiler: GrammarCompiler, indent: int | str | None
+) -> None:
+    value = {"a": [{"b": [1, 2]}, {"b": {"c": None}}]}
+    assert accepts(gpt2, compiler, NESTED, json.dumps(value, indent=indent))
+    assert accepts(gpt2, compiler, NESTED, json.dumps(value, separators=(",", ":")))
+
+
+@pytest.mark.parametrize(
+    ("over", "within"),
+    [
+        ('{"a":  []}', '{"a": []}'),  # two blanks, one
+        ('{"a":\n\n[]}', '{"a":\n[]}'),  # an empty line, a line break
+        ('{"a": [1,\n' + " " * 17 + "2]}", '{"a": [1,\n' + " " * 16 + "2]}"),  # indents
+        ('{"a":\n\t[]}', '{"a":\n []}'),  # a tab, a blank
+        ('{"a": [] \n}', '{"a": []\n}'),  # a blank and a line break, a line break
+    ],
+)
+def test_json_whitespace_is_bounded(
+    gpt2: Tokenizer, compiler: GrammarCompiler, over: str, within: str
+) -> None:
+    """Each gap holds one blank, or a line break and an indent of at most 16 blanks, so a
+    model cannot fill its budget with whitespace."""
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "number"}}}}
+    assert accepts(gpt2, compiler, schema, within)
+    assert not accepts(gpt2, compiler, schema, over)
+
+
+def test_compact_json_takes_no_whitespace(gpt2: Tokenizer, compiler: GrammarCompiler) -> None:
+    """Tool calls' grammars (`compact`): no blank anywhere, so the random test model's calls
+    close within its budget."""
+    assert accepts(gpt2, compiler, NESTED, '{"a":[{"b":1}]}', compact=True)
+    for text in ('{ "a":[{"b":1}]}', '{"a": [{"b":1}]}', '{"a":[{"b":1}]\n}'):
+        assert accepts(gpt2, compiler, NESTED, text)
+        assert not accepts(gpt2, compiler, NESTED, text, compact=True)
 
 
 def test_compiled_grammars_are_an_lru(compiler: GrammarCompiler) -> None:
