@@ -21,7 +21,7 @@ ask for a constraint and the rule that a request asks for at most one:
   "json_schema", "name", "schema", "strict"}` (flat; enforced either way).
 
 JSON whitespace is bounded (one space, or a line break and an indent, between two
-tokens: tokenization.grammar; tool calls are compact), so a model cannot pad its budget
+tokens: tokenization.grammar), so a model cannot pad its budget
 with blanks, and an object in a schema that does not set `additionalProperties` takes
 only the keys it lists (vLLM's and OpenAI's strict reading; `strict` false reads the same):
 `GrammarSpec.json_schema` applies that rule, once, to every schema from every field above.
@@ -83,7 +83,7 @@ def _one(
     named function) wins over the others, as in vLLM, whose tool parser replaces the
     request's structured outputs and response_format with it."""
     if tool_schema is not None:
-        return GrammarSpec.json_schema(tool_schema, compact=True), "tool_choice"
+        return GrammarSpec.json_schema(tool_schema), "tool_choice"
     if len(asked) > 1:
         fields = ", ".join(param for _, param in asked)
         raise bad_request(

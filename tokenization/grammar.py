@@ -16,8 +16,8 @@ faster per token (~5 us vs ~50-80 us), both far below a decode step.
 Masks use the engine's layout: token t is bit t % 32 of int32 word t // 32, over the
 model's vocabulary (which may be larger than the tokenizer's: the extra ids are never
 allowed). JSON grammars allow between two tokens what a pretty-printer writes there (one
-space, or a line break and an indent of at most 16 blanks; tool calls none), never a
-free run of whitespace, and an object takes only the keys it lists unless it says otherwise
+space, or a line break and an indent of at most 16 blanks), never a free run of
+whitespace, and an object takes only the keys it lists unless it says otherwise
 (tokenization.json_schema), so a model can neither fill its budget with blanks nor with
 invented keys: the output of a small schema ends.
 """
@@ -52,14 +52,14 @@ LIMITS = dict(
     max_grammar_size=100_000,
     verbose_errors=False,  # errors name the problem, not the parser's state
 )
-# A model that writes JSON as `json.dumps(indent=2 or 4)` does keeps its layout (forbidding
-# it made a model that wants `{\n  "` close the object at once); a gap stays bounded, so a
+# A model that writes JSON as `json.dumps(indent=2 or 4)` does keeps its layout: forbidding
+# it made SmolLM2 close an object at once (`{}`) or run on in a number's digits where it
+# wanted `, ` (a named tool call, 2 of 12 to the context's end). A gap stays bounded, so a
 # random-weight model's objects end (tests/server/test_structured_ends.py). A schema's own
 # `x-guidance` (llguidance's options) may say otherwise; the separators are always ours.
 JSON_WHITESPACE = r"(\x20|\n\x20{0,16})?"
 JSON_LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
 JSON_SEPARATORS = {"item_separator": ",", "key_separator": ":"}
-COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}
 
 
 class GrammarError(ValueError):
@@ -75,14 +75,10 @@ class GrammarSpec:
     text: str
 
     @classmethod
-    def json_schema(cls, schema: Any, compact: bool = False) -> GrammarSpec:
+    def json_schema(cls, schema: Any) -> GrammarSpec:
         """A JSON schema (a dict, or a bool), its objects closed to the keys they list
-        unless they say otherwise (tokenization.json_schema: vLLM's reading). `compact`:
-        no whitespace at all (a dict schema; tool calls, whose layout no one reads)."""
-        body = closed(schema)
-        if compact:
-            body = {**body, "x-guidance": COMPACT}
-        return cls("json", json.dumps(body, separators=(",", ":")))
+        unless they say otherwise (tokenization.json_schema: vLLM's reading)."""
+        return cls("json", json.dumps(closed(schema), separators=(",", ":")))
 
     @classmethod
     def choice(cls, options: list[str]) -> GrammarSpec:

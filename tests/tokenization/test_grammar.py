@@ -62,11 +62,9 @@ def test_a_matcher_advances_and_completes(gpt2: Tokenizer, compiler: GrammarComp
         grammar.matcher().advance(gpt2.encode(" x", add_special_tokens=False)[0])
 
 
-def accepts(
-    gpt2: Tokenizer, compiler: GrammarCompiler, schema: object, text: str, compact: bool = False
-) -> bool:
+def accepts(gpt2: Tokenizer, compiler: GrammarCompiler, schema: object, text: str) -> bool:
     """Whether the schema's grammar takes `text` whole, token by token."""
-    matcher = compiler.compile(GrammarSpec.json_schema(schema, compact)).matcher()
+    matcher = compiler.compile(GrammarSpec.json_schema(schema)).matcher()
     ids = gpt2.encode(text, add_special_tokens=False)
     try:
         return [matcher.advance(t) for t in ids][-1]
@@ -107,15 +105,6 @@ def test_json_whitespace_is_bounded(
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "number"}}}}
     assert accepts(gpt2, compiler, schema, within)
     assert not accepts(gpt2, compiler, schema, over)
-
-
-def test_compact_json_takes_no_whitespace(gpt2: Tokenizer, compiler: GrammarCompiler) -> None:
-    """Tool calls' grammars (`compact`): no blank anywhere, so the random test model's calls
-    close within its budget."""
-    assert accepts(gpt2, compiler, NESTED, '{"a":[{"b":1}]}', compact=True)
-    for text in ('{ "a":[{"b":1}]}', '{"a": [{"b":1}]}', '{"a":[{"b":1}]\n}'):
-        assert accepts(gpt2, compiler, NESTED, text)
-        assert not accepts(gpt2, compiler, NESTED, text, compact=True)
 
 
 def test_compiled_grammars_are_an_lru(compiler: GrammarCompiler) -> None:
