@@ -28,7 +28,8 @@ namespace {
 constexpr int kLanes = 8;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 // 4 x 3 accumulators, 3 weight vectors and a row's vector: AVX2's 16 registers (the
-// fastest of 2x4, 3x3, 3x4 and 4x3 measured at 1-256 rows, bench/README "CPU products")
+// fastest of 2x4, 3x3, 3x4 and 4x3 measured at 1-256 rows, bench/README "CPU products";
+// on x86-64 the 4 x 3 pass is written in assembly, Pass4x3)
 constexpr int kRowBlock = 4;     // rows sharing a pass over a block of weight rows
 constexpr int kWeightBlock = 3;  // weight rows a pass holds
 constexpr int64_t kTaskWeightRows = 48;  // weight rows a task takes (in L2 across row blocks)
@@ -66,14 +67,98 @@ inline float Finish(Vec acc, const float* x, const float* w, int64_t from, int64
   return s;
 }
 
+#if defined(__AVX__) && defined(__FMA__) && defined(__x86_64__)
+// The 4 x 3 pass in assembly: GCC 12 folds the weight loads into each row's FMA (four
+// loads of one weight vector) and spills an accumulator; here each weight vector and
+// each row vector is loaded once per k step, and the 12 accumulators stay in registers.
+// The FMAs are the C form's, in the same order: the bits are the same.
+inline void Pass4x3(const float* x0, const float* x1, const float* x2, const float* x3,
+                    const float* w0, const float* w1, const float* w2, int64_t body,
+                    float* acc) {
+  asm volatile(
+      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
+      "vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
+      "vxorps %%ymm2, %%ymm2, %%ymm2\n\t"
+      "vxorps %%ymm3, %%ymm3, %%ymm3\n\t"
+      "vxorps %%ymm4, %%ymm4, %%ymm4\n\t"
+      "vxorps %%ymm5, %%ymm5, %%ymm5\n\t"
+      "vxorps %%ymm6, %%ymm6, %%ymm6\n\t"
+      "vxorps %%ymm7, %%ymm7, %%ymm7\n\t"
+      "vxorps %%ymm8, %%ymm8, %%ymm8\n\t"
+      "vxorps %%ymm9, %%ymm9, %%ymm9\n\t"
+      "vxorps %%ymm10, %%ymm10, %%ymm10\n\t"
+      "vxorps %%ymm11, %%ymm11, %%ymm11\n\t"
+      "xorq %%rax, %%rax\n\t"
+      "testq %[n], %[n]\n\t"
+      "jle 2f\n\t"
+      ".p2align 4\n"
+      "1:\n\t"
+      "vmovups (%[w0],%%rax,4), %%ymm12\n\t"
+      "vmovups (%[w1],%%rax,4), %%ymm13\n\t"
+      "vmovups (%[w2],%%rax,4), %%ymm14\n\t"
+      "vmovups (%[x0],%%rax,4), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm0\n\t"
+      "vfmadd231ps %%ymm13, %%ymm15, %%ymm1\n\t"
+      "vfmadd231ps %%ymm14, %%ymm15, %%ymm2\n\t"
+      "vmovups (%[x1],%%rax,4), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm3\n\t"
+      "vfmadd231ps %%ymm13, %%ymm15, %%ymm4\n\t"
+      "vfmadd231ps %%ymm14, %%ymm15, %%ymm5\n\t"
+      "vmovups (%[x2],%%rax,4), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm6\n\t"
+      "vfmadd231ps %%ymm13, %%ymm15, %%ymm7\n\t"
+      "vfmadd231ps %%ymm14, %%ymm15, %%ymm8\n\t"
+      "vmovups (%[x3],%%rax,4), %%ymm15\n\t"
+      "vfmadd231ps %%ymm12, %%ymm15, %%ymm9\n\t"
+      "vfmadd231ps %%ymm13, %%ymm15, %%ymm10\n\t"
+      "vfmadd231ps %%ymm14, %%ymm15, %%ymm11\n\t"
+      "addq $8, %%rax\n\t"
+      "cmpq %[n], %%rax\n\t"
+      "jl 1b\n"
+      "2:\n\t"
+      "vmovups %%ymm0, (%[acc])\n\t"
+      "vmovups %%ymm1, 32(%[acc])\n\t"
+      "vmovups %%ymm2, 64(%[acc])\n\t"
+      "vmovups %%ymm3, 96(%[acc])\n\t"
+      "vmovups %%ymm4, 128(%[acc])\n\t"
+      "vmovups %%ymm5, 160(%[acc])\n\t"
+      "vmovups %%ymm6, 192(%[acc])\n\t"
+      "vmovups %%ymm7, 224(%[acc])\n\t"
+      "vmovups %%ymm8, 256(%[acc])\n\t"
+      "vmovups %%ymm9, 288(%[acc])\n\t"
+      "vmovups %%ymm10, 320(%[acc])\n\t"
+      "vmovups %%ymm11, 352(%[acc])\n\t"
+      "vzeroupper\n\t"
+      :
+      : [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [w0] "r"(w0), [w1] "r"(w1),
+        [w2] "r"(w2), [n] "r"(body), [acc] "r"(acc)
+      : "rax", "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",
+        "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+}
+#define HAVE_PASS4X3 1
+#endif
+
 // out[m, n] for rows [m0, m0 + R) and weight rows [n0, n0 + C), R <= kRowBlock, C <= kWeightBlock.
 template <int R, int C>
 inline void Block(const float* x, const float* w, float* out, int64_t m0, int64_t n0, int64_t k,
                   int64_t n_total) {
   Vec acc[R][C];
+  const int64_t body = k - k % kLanes;
+#ifdef HAVE_PASS4X3
+  if constexpr (R == 4 && C == 3) {
+    const float* xr = x + m0 * k;
+    const float* wr = w + n0 * k;
+    Pass4x3(xr, xr + k, xr + 2 * k, xr + 3 * k, wr, wr + k, wr + 2 * k, body,
+            reinterpret_cast<float*>(acc));
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        out[(m0 + r) * n_total + n0 + c] =
+            Finish(acc[r][c], x + (m0 + r) * k, w + (n0 + c) * k, body, k);
+    return;
+  }
+#endif
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = Vec{};
-  const int64_t body = k - k % kLanes;
   for (int64_t i = 0; i < body; i += kLanes) {
     Vec wv[C];
     for (int c = 0; c < C; ++c) wv[c] = Load(w + (n0 + c) * k + i);
