@@ -3,7 +3,9 @@
 Owns: the benchmark's shapes (our benchmark models' heads, page size 16, float32) and
 its timing. Receives nothing but flags; emits JSON (stdout, or `--json PATH`): per model
 and step shape, the median milliseconds of one jitted write + attend for
-engine.attention.reference and engine.attention.cpu, and their ratio.
+engine.attention.reference, engine.attention.cpu (decode rows through its kernel,
+engine.attention.cpu_kernel) and engine.attention.cpu with XLA's decode groups
+(`groups_ms`), and the ratios.
 
 Each step is padded to the runner's buckets (tokens: a power of two, at least 8;
 sequences: a power of two), so both backends pay for the padding the engine pays for.
@@ -39,7 +41,11 @@ PAGE_SIZE = 16
 CHUNK_SIZE = 256
 MAX_PREFILL_SEQS = 4
 # (query heads, kv heads, head_dim) of the benchmark models (bench.models)
-MODELS: dict[str, tuple[int, int, int]] = {"100m": (12, 4, 64), "70m-128k": (4, 2, 64)}
+MODELS: dict[str, tuple[int, int, int]] = {
+    "100m": (12, 4, 64),
+    "70m-128k": (4, 2, 64),
+    "smollm2-135m": (9, 3, 64),
+}
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,15 @@ def measure(shape: Shape, model: str, repeats: int, budget_s: float) -> dict[str
             "cpu",
             CpuAttention(step.layout, chunk_size=CHUNK_SIZE, max_prefill_seqs=MAX_PREFILL_SEQS),
         ),
+        (
+            "groups",
+            CpuAttention(
+                step.layout,
+                chunk_size=CHUNK_SIZE,
+                max_prefill_seqs=MAX_PREFILL_SEQS,
+                decode_kernel=False,
+            ),
+        ),
     )
     seconds, outputs = {}, {}
     for name, attention in backends:
@@ -176,15 +191,18 @@ def measure(shape: Shape, model: str, repeats: int, budget_s: float) -> dict[str
         "seqs": int(step.batch.kv_lens.shape[0]),
         "reference_ms": round(seconds["reference"] * 1e3, 3),
         "cpu_ms": round(seconds["cpu"] * 1e3, 3),
+        "groups_ms": round(seconds["groups"] * 1e3, 3),
         "speedup": round(seconds["reference"] / seconds["cpu"], 2),
+        "groups_over_cpu": round(seconds["groups"] / seconds["cpu"], 2),
         "max_abs_diff": float(np.max(np.abs(outputs["reference"] - outputs["cpu"]))),
+        "groups_max_abs_diff": float(np.max(np.abs(outputs["reference"] - outputs["groups"]))),
     }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here (default: stdout)")
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default="100m,70m-128k")
     parser.add_argument("--shapes", default="", help="comma-separated shape names (all)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per backend")

@@ -1,8 +1,9 @@
 """XLA:CPU's batch-invariant fast product: rows (M, K) times weights (N, K)^T in float32.
 
-Owns: building engine/row_dot.cc into a shared library (once per source, jaxlib and
-processor; kept in the kernel cache folder), registering it with XLA as an FFI target,
-and `row_dot`, the call. Receives float32 rows and weights as the checkpoint stores them
+Owns: building the engine's C++ kernels into shared libraries (`load`: once per source,
+jaxlib and processor; kept in the kernel cache folder) and registering them with XLA as
+FFI targets (this module's engine/row_dot.cc; engine.attention.cpu_kernel's too), and
+`row_dot`, the call. Receives float32 rows and weights as the checkpoint stores them
 (out, in); emits float32 (M, N).
 
 Why: XLA:CPU's own product takes other kernels by row count. One row goes through a
@@ -46,7 +47,7 @@ FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-funroll-loops", "-ffp-contra
 FLAGS += ("-std=c++17", "-shared", "-fPIC", "-w")
 
 _lock = threading.Lock()
-_state: dict[str, bool] = {}  # "available": the outcome of the first build and registration
+_state: dict[str, bool] = {}  # per source: the outcome of its first build and registration
 
 
 def kernel_dir() -> Path:
@@ -65,15 +66,15 @@ def _include_dir() -> Path:
     return Path(jaxlib.__file__).parent / "include"
 
 
-def _library_path(folder: Path) -> Path:
+def _library_path(folder: Path, source: Path) -> Path:
     """A name that changes with the source, jaxlib, the flags and the processor."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    key.update(source.read_bytes())
     key.update(jaxlib_version.encode())
     key.update(" ".join(FLAGS).encode())
     key.update(platform.machine().encode())
     key.update(_cpu_flags().encode())
-    return folder / f"row_dot-{key.hexdigest()[:16]}.so"
+    return folder / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
 def _cpu_flags() -> str:
@@ -87,11 +88,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build(folder: Path) -> Path:
-    """The library for this source, jaxlib and processor, compiled into `folder` unless it
+def build(folder: Path, source: Path = SOURCE) -> Path:
+    """The library for `source`, jaxlib and processor, compiled into `folder` unless it
     is there already (written under a temporary name, then renamed: concurrent builds
     are safe). Raises RuntimeError when it cannot be built."""
-    target = _library_path(folder)
+    target = _library_path(folder, source)
     if target.exists():
         return target
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -102,7 +103,7 @@ def build(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
-    command = [compiler, *FLAGS, f"-I{_include_dir()}", str(SOURCE), "-o", tmp]
+    command = [compiler, *FLAGS, f"-I{_include_dir()}", str(source), "-o", tmp]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         os.unlink(tmp)
@@ -111,21 +112,27 @@ def build(folder: Path) -> Path:
     return target
 
 
-def available() -> bool:
-    """Whether `row_dot` can run in this process: the library built (or found) and its
-    target registered with XLA, once. Logs why not, once, when it cannot."""
+def load(source: Path, targets: dict[str, str]) -> bool:
+    """Whether `source`'s kernels can run in this process: its library built (or found)
+    and each of its symbols registered with XLA as the FFI target named, once per source.
+    Logs why not, once, when they cannot."""
     with _lock:
-        if "available" not in _state:
+        if str(source) not in _state:
             try:
-                library = ctypes.cdll.LoadLibrary(str(build(kernel_dir())))
-                for name, symbol in ((TARGET, "RowDotF32"), (LAYER_TARGET, "RowDotLayerF32")):
+                library = ctypes.cdll.LoadLibrary(str(build(kernel_dir(), source)))
+                for name, symbol in targets.items():
                     handler = jax.ffi.pycapsule(getattr(library, symbol))
                     jax.ffi.register_ffi_target(name, handler, platform="cpu")
-                _state["available"] = True
+                _state[str(source)] = True
             except (OSError, RuntimeError) as error:
-                log.warning("row_dot kernel unavailable, XLA's product used: %s", error)
-                _state["available"] = False
-        return _state["available"]
+                log.warning("kernel %s unavailable, XLA's form used: %s", source.name, error)
+                _state[str(source)] = False
+        return _state[str(source)]
+
+
+def available() -> bool:
+    """Whether `row_dot` can run in this process (`load`)."""
+    return load(SOURCE, {TARGET: "RowDotF32", LAYER_TARGET: "RowDotLayerF32"})
 
 
 def row_dot(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:

@@ -8,9 +8,11 @@ block by block as they are read (KVLayout.decode), never as a whole cache.
 
 Work comes in units of fixed shape, each run by a loop whose trip count is its own live
 key blocks (an online softmax over blocks of whole pages):
-- decode groups: GROUP_ROWS sequences of one query each (the scheduler's decode rows,
-  wherever they stand in the batch), each row reading its own pages, DECODE_BLOCK_TOKENS
-  positions an iteration (small blocks keep a group's gathered keys in cache);
+- decode rows (sequences of one query, wherever they stand in the batch): with float32
+  pages, engine.attention.cpu_kernel's kernel, each row reading its pages in place;
+  otherwise decode groups, GROUP_ROWS rows at a time, each row reading its own pages,
+  DECODE_BLOCK_TOKENS positions an iteration (small blocks keep a group's gathered keys
+  in cache);
 - query tiles: TILE_QUERIES consecutive queries of one sequence of many (a prompt
   chunk), TILE_BLOCK_TOKENS positions an iteration, reading only the blocks up to its
   last query (causal) and in the window.
@@ -35,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from engine.attention import cpu_kernel
 from engine.attention.layout import AttentionBatch, KVLayout
 from engine.rowwise import tree_sum
 
@@ -94,6 +97,7 @@ class CpuAttention:
         tile_queries: int = TILE_QUERIES,
         decode_block_tokens: int = DECODE_BLOCK_TOKENS,
         tile_block_tokens: int = TILE_BLOCK_TOKENS,
+        decode_kernel: bool = True,
     ) -> None:
         if layout.fold != 1:
             raise ValueError(f"the CPU backend keeps fold 1, got {layout.fold}")
@@ -115,6 +119,7 @@ class CpuAttention:
         self.tile_queries = min(tile_queries, max(chunk_size, MIN_TILE_QUERIES))
         self.decode_pages = max(1, decode_block_tokens // layout.page_size)
         self.tile_pages = max(1, tile_block_tokens // layout.page_size)
+        self.decode_kernel = decode_kernel  # where usable: engine.attention.cpu_kernel
 
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         return self.layout.write(pages, k, v, slots)
@@ -165,8 +170,17 @@ class CpuAttention:
 
         out = lax.fori_loop(0, ends[-1], tile, out)
 
-        # sequences of one query (decode rows, wherever they stand) in groups
         single = real & (q_lens == 1)
+        if self.decode_kernel and cpu_kernel.usable(self.layout, heads):
+            # sequences of one query (decode rows), each reading its pages in place
+            order = jnp.nonzero(single, size=s, fill_value=s)[0].astype(jnp.int32)
+            rows = first_row[order]  # no row: row t, past the batch
+            part = cpu_kernel.decode_attention(
+                padded_q[rows], kv_lens[order], table[order], pages, sliding_window
+            )
+            return out.at[rows].set(part.astype(out.dtype))[:t]
+
+        # sequences of one query (decode rows, wherever they stand) in groups
         order = jnp.nonzero(single, size=s + group_rows, fill_value=s)[0].astype(jnp.int32)
 
         def group(i: jax.Array, out: jax.Array) -> jax.Array:

@@ -30,6 +30,7 @@ from engine.attention import (
     ReferenceAttention,
     attention_backend,
     cpu,
+    cpu_kernel,
 )
 from engine.attention.cpu import online_update
 from engine.paged_model import Chunk, make_batch
@@ -52,6 +53,7 @@ class Config:
     group_rows: int = cpu.GROUP_ROWS
     tile_block_tokens: int = cpu.TILE_BLOCK_TOKENS
     decode_block_tokens: int = cpu.DECODE_BLOCK_TOKENS
+    decode_kernel: bool = True  # float32 decode rows through engine.attention.cpu_kernel
 
     @property
     def heads(self) -> int:
@@ -60,14 +62,14 @@ class Config:
 
 CONFIGS = [
     Config(4, 3, 64),  # the 100m model's heads, the default sizes
-    Config(4, 2, 32, window=40, group_rows=16),  # 16 rows a group: jnp.sum would vary
+    Config(4, 2, 32, window=40, group_rows=16, decode_kernel=False),  # 16 rows: jnp.sum varies
     Config(1, 4, 32, dtype="bfloat16"),
     # many tiles, groups and blocks a batch
     Config(4, 3, 64, tile_queries=16, group_rows=4, tile_block_tokens=32),
     Config(2, 4, 64, window=20, tile_queries=16, group_rows=2, tile_block_tokens=16),
     Config(2, 2, 64, "bfloat16", 24, tile_queries=16, tile_block_tokens=32, decode_block_tokens=16),
 ]
-BIT_CONFIGS = CONFIGS[:3]
+BIT_CONFIGS = [*CONFIGS[:3], Config(2, 4, 64, window=20)]  # XLA's groups; the kernel twice
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}
 
 
@@ -88,6 +90,7 @@ def jitted(config: Config, backend: str, num_pages: int) -> Attend:
             group_rows=config.group_rows,
             tile_block_tokens=config.tile_block_tokens,
             decode_block_tokens=config.decode_block_tokens,
+            decode_kernel=config.decode_kernel,
         )
     else:
         attention = ReferenceAttention(layout)
@@ -294,6 +297,13 @@ def test_a_fully_masked_block_keeps_the_state_bit_for_bit() -> None:
     assert not np.asarray(probs).any()
     for before, after in ((top, new_top), (total, new_total), (acc, new_acc)):
         assert np.array_equal(np.asarray(before), np.asarray(after))
+
+
+def test_the_decode_kernel_serves_float32_pages_here() -> None:
+    """The suite's machines build the kernel: float32 decode rows above ran through it
+    (XLA's decode groups where `decode_kernel` is off, and for 16-bit pages)."""
+    assert cpu_kernel.usable(layout_for(CONFIGS[0], 8), CONFIGS[0].heads)
+    assert not cpu_kernel.usable(layout_for(CONFIGS[2], 8), CONFIGS[2].heads)  # bfloat16
 
 
 def test_the_backend_per_platform() -> None:
