@@ -113,20 +113,35 @@ struct Work {
     }
   }
 
-  // fn(i, keys) for the row's positions first + i in order; its values follow its keys
+  // fn(i, keys) for the row's positions first + i in order; its values follow its keys.
+  // `half` (0: keys, dim: values) is fetched kAhead positions early: one head's row of a
+  // position lies a whole position's stride from the next, a step the hardware's
+  // prefetcher does not follow, and each read would otherwise wait on memory.
   template <typename Fn>
-  void Positions(int64_t r, int64_t h, int64_t first, int64_t len, Fn fn) const {
+  void Positions(int64_t r, int64_t h, int64_t first, int64_t len, int64_t half, Fn fn) const {
+    constexpr int64_t kAhead = 8;
     const int32_t* row_table = table + r * table_width;
     const int64_t stride = 2 * kv * dim;  // one position's keys and values, every kv head
+    auto at = [&](int64_t pos) {
+      const int64_t page = row_table[pos / page_size];
+      return pages + (page * page_size + pos % page_size) * stride + 2 * h * dim;
+    };
+    for (int64_t pos = first; pos < std::min(len, first + kAhead); ++pos) Fetch(at(pos) + half);
     for (int64_t pos = first; pos < len;) {
       const int64_t slot = pos % page_size;
       const int64_t count = std::min(page_size - slot, len - pos);
-      const float* base =
-          pages + (static_cast<int64_t>(row_table[pos / page_size]) * page_size + slot) * stride +
-          2 * h * dim;
-      for (int64_t j = 0; j < count; ++j) fn(pos - first + j, base + j * stride);
+      const float* base = at(pos);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t later = pos + j + kAhead;
+        if (later < len) Fetch((j + kAhead < count ? base + (j + kAhead) * stride : at(later)) + half);
+        fn(pos - first + j, base + j * stride);
+      }
       pos += count;
     }
+  }
+
+  void Fetch(const float* row) const {
+    for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d);  // 64-byte lines
   }
 
   void Task(int64_t r, int64_t h, std::vector<float>& scores) const {
@@ -145,7 +160,7 @@ struct Work {
     const float* query = q + (r * heads + h * groups) * dim;
     float top[kMaxGroups];
     for (int64_t g = 0; g < groups; ++g) top[g] = -INFINITY;
-    Positions(r, h, first, len, [&](int64_t i, const float* k) {
+    Positions(r, h, first, len, 0, [&](int64_t i, const float* k) {
       for (int64_t g = 0; g < groups; ++g) {
         const float* qg = query + g * dim;
         Vec acc{};
@@ -168,7 +183,7 @@ struct Work {
     }
     Vec acc[kMaxGroups * kMaxDimVecs];
     for (int64_t a = 0; a < groups * vecs; ++a) acc[a] = Vec{};
-    Positions(r, h, first, len, [&](int64_t i, const float* k) {
+    Positions(r, h, first, len, dim, [&](int64_t i, const float* k) {
       const float* v = k + dim;
       for (int64_t c = 0; c < vecs; ++c) {
         const Vec vv = Load(v + c * kLanes);
