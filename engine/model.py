@@ -38,6 +38,7 @@ def project(
     partials: DTypeLike = F32,
     kernel: bool = False,
     layer: jax.Array | None = None,
+    live: jax.Array | None = None,
 ) -> jax.Array:
     """x (..., in) times w (out, in)^T -> (..., out) in x's dtype, summed in float32.
 
@@ -52,10 +53,12 @@ def project(
     whose bits for a row are the same at any row count from 1; XLA's product otherwise.
     `layer`: w is every layer's weight stacked (L, out, in) and this layer's is used
     (the kernel reads it in place; XLA's product takes a copy of it).
+    `live`: rows of x from this one on are a step's padding, which the kernel skips
+    (zeros); XLA's product computes every row.
     """
     rows = x.reshape(-1, x.shape[-1])
     if kernel and scale is None and rows.dtype == w.dtype == F32:
-        out = row_dot.row_dot(rows, w, layer)
+        out = row_dot.row_dot(rows, w, layer, live)
         return out.reshape(*x.shape[:-1], w.shape[-2])
     if layer is not None:
         w = lax.dynamic_index_in_dim(w, layer, keepdims=False)
@@ -90,13 +93,15 @@ def _project(
     lora: jax.Array | None = None,
     partials: DTypeLike = F32,
     layer: jax.Array | None = None,
+    live: jax.Array | None = None,
 ) -> jax.Array:
     """x through layer weight `name`, int8 with its scale when engine.quant made it so;
     with `lora` (each row's slot) and a pool beside the weight, plus each row's LoRA term.
-    A weight given stacked (engine.paged_model.in_place_weights) is layer `layer`'s."""
+    A weight given stacked (engine.paged_model.in_place_weights) is layer `layer`'s;
+    `live` as `project` takes it."""
     w = lp[name]
     index = layer if w.ndim == 3 else None
-    out = project(x, w, lp.get(name + "_scale"), partials, cfg.row_products, index)
+    out = project(x, w, lp.get(name + "_scale"), partials, cfg.row_products, index, live)
     if lora is not None and "lora_a_" + name in lp:
         out = out + lora_delta(x, lp["lora_a_" + name], lp["lora_b_" + name], lora)
     return out
@@ -147,11 +152,12 @@ def attention_inputs(
     sin: jax.Array,
     lora: jax.Array | None = None,
     layer: jax.Array | None = None,
+    live: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`lora`: each row's adapter slot (engine.lora), None without adapters; `layer`: the
-    layer's index, for weights given stacked."""
+    layer's index, for weights given stacked; `live`: rows from it on are padding."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
-    qkv = _project(lp, h, "wqkv", cfg, lora, layer=layer)
+    qkv = _project(lp, h, "wqkv", cfg, lora, layer=layer, live=live)
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     lead = x.shape[:-1]
@@ -173,18 +179,19 @@ def layer_output(
     cfg: ModelConfig,
     lora: jax.Array | None = None,
     layer: jax.Array | None = None,
+    live: jax.Array | None = None,
 ) -> jax.Array:
     """Output projection, residual, and the SwiGLU MLP block."""
     partials = x.dtype if cfg.partials_in_dtype else F32  # of the row-parallel products
-    out = _project(lp, attn, "wo", cfg, lora, partials, layer)
+    out = _project(lp, attn, "wo", cfg, lora, partials, layer, live)
     if "bo" in lp:
         out = out + lp["bo"]
     x = x + out
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
     lead = x.shape[:-1]
-    gate_up = _project(lp, h, "w_gate_up", cfg, lora, layer=layer)
+    gate_up = _project(lp, h, "w_gate_up", cfg, lora, layer=layer, live=live)
     gate_up = gate_up.reshape(*lead, cfg.shards, -1)  # per shard gate, up
     half = cfg.intermediate_size // cfg.shards
     gated = jax.nn.silu(gate_up[..., :half]) * gate_up[..., half:]
     gated = gated.reshape(*lead, cfg.intermediate_size)
-    return x + _project(lp, gated, "w_down", cfg, lora, partials, layer)
+    return x + _project(lp, gated, "w_down", cfg, lora, partials, layer, live)

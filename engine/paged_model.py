@@ -267,10 +267,12 @@ def _layer(
 ) -> tuple[jax.Array, jax.Array]:
     """One decoder layer (the `index`th): its K/V written into its pages, attention, the
     MLP."""
-    q, k, v = attention_inputs(lp, x, cfg, cos, sin, lora, index)
+    # the batch's tokens lie before its padding (make_batch), which the kernel skips
+    live = jnp.asarray(batch.cu_q_lens, jnp.int32)[jnp.asarray(batch.num_seqs, jnp.int32)[0]]
+    q, k, v = attention_inputs(lp, x, cfg, cos, sin, lora, index, live)
     pages = attention.write(pages, k, v, slots)
     attn = attention.attend(q, pages, batch, sliding_window=cfg.sliding_window)
-    out = layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg, lora, index)
+    out = layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg, lora, index, live)
     return out, pages
 
 

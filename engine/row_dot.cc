@@ -211,8 +211,14 @@ struct Work {
   }
 };
 
+// Rows from `live` on are padding (a step's bucket past its tokens): their outputs are
+// zeros, and they cost nothing (a row's products never involve another row).
 ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* out, int64_t m,
-               int64_t k, int64_t n) {
+               int64_t k, int64_t n, const ffi::Buffer<ffi::S32>& live) {
+  if (live.element_count() != 1) return ffi::Error::InvalidArgument("row_dot: live is one int");
+  const int64_t rows = std::clamp<int64_t>(live.typed_data()[0], 0, m);
+  std::fill(out + rows * n, out + m * n, 0.0f);
+  m = rows;
   auto work = std::make_shared<Work>();
   work->x = x;
   work->w = w;
@@ -229,18 +235,19 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* out
 }
 
 ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("row_dot takes x (M, K) and w (N, K)");
-  return Run(pool, x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[0]);
+  return Run(pool, x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[0], live);
 }
 
 // Layer `index` of stacked weights (L, N, K), read where it lies: a slice of the stack
 // passed as an operand would be copied out of it first (a pass over the layer's weights).
 ffi::Error RowDotLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> out) {
+                       ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> live,
+                       ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2] || index.element_count() != 1)
@@ -249,7 +256,7 @@ ffi::Error RowDotLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (layer < 0 || layer >= wd[0])
     return ffi::Error::InvalidArgument("row_dot_layer: layer index out of range");
   const float* weights = w.typed_data() + layer * wd[1] * wd[2];
-  return Run(pool, x.typed_data(), weights, out->typed_data(), xd[0], xd[1], wd[1]);
+  return Run(pool, x.typed_data(), weights, out->typed_data(), xd[0], xd[1], wd[1], live);
 }
 
 }  // namespace
@@ -259,6 +266,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotF32, RowDot,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotLayerF32, RowDotLayer,
@@ -266,5 +274,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotLayerF32, RowDotLayer,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -135,12 +135,17 @@ def available() -> bool:
     return load(SOURCE, {TARGET: "RowDotF32", LAYER_TARGET: "RowDotLayerF32"})
 
 
-def row_dot(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+def row_dot(
+    x: jax.Array, w: jax.Array, layer: jax.Array | None = None, live: jax.Array | None = None
+) -> jax.Array:
     """x (M, K) float32 times w (N, K)^T float32 -> (M, N) float32; `available()` first.
     With `layer` (an int32 scalar), w is a stack (L, N, K) and its layer `layer` is read
-    in place (a slice of it as an operand would be copied out first, every step)."""
+    in place (a slice of it as an operand would be copied out first, every step).
+    `live` (an int32 scalar): rows from it on are padding, zeros at no cost (all M rows
+    are live without it)."""
+    rows = jnp.asarray(x.shape[0] if live is None else live, jnp.int32).reshape(1)
     if layer is None:
         out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-        return jax.ffi.ffi_call(TARGET, out)(x, w)
+        return jax.ffi.ffi_call(TARGET, out)(x, w, rows)
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(LAYER_TARGET, out)(x, w, jnp.asarray(layer, jnp.int32))
+    return jax.ffi.ffi_call(LAYER_TARGET, out)(x, w, jnp.asarray(layer, jnp.int32), rows)

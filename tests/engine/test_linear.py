@@ -84,6 +84,21 @@ def test_the_kernel_gives_a_row_the_same_bits_at_every_row_count(inner: int, out
     assert np.array_equal(np.asarray(product(other, w))[0], widest[0])
 
 
+def test_the_kernel_skips_padding_rows() -> None:
+    """`live`: rows from it on are a step's padding, zeros; the live rows keep their bits
+    (the stacked form reads a layer in place, as the engine calls it)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40, 576)).astype(np.float32)
+    stack = rng.standard_normal((2, 96, 576)).astype(np.float32)
+    layer = np.int32(1)
+    whole = np.asarray(jax.jit(row_dot.row_dot)(x, stack, layer))
+    np.testing.assert_allclose(whole, x @ stack[1].T, rtol=1e-4, atol=1e-3)
+    for live in (0, 1, 13, 40):
+        got = np.asarray(jax.jit(row_dot.row_dot)(x, stack, layer, np.int32(live)))
+        assert np.array_equal(got[:live], whole[:live]), live
+        assert not got[live:].any(), live
+
+
 def test_bfloat16_rows_keep_xlas_product() -> None:
     """The kernel is float32's: other dtypes take the reference product, same bits."""
     rng = np.random.default_rng(3)
