@@ -89,5 +89,9 @@ def attention_backend(
 
         return PallasAttention(layout, mesh)
     if platform == "cpu" and chunk_size is not None and max_prefill_seqs is not None:
-        return CpuAttention(layout, chunk_size=chunk_size, max_prefill_seqs=max_prefill_seqs)
+        # the decode kernel has no rule for splitting its operands: one device only
+        alone = mesh is None or mesh.devices.size == 1
+        return CpuAttention(
+            layout, chunk_size=chunk_size, max_prefill_seqs=max_prefill_seqs, decode_kernel=alone
+        )
     return ReferenceAttention(layout)
