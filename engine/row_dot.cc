@@ -10,55 +10,27 @@
 // call and the rows stay in cache: a few rows cost one pass over the weights (XLA:CPU's
 // products pack the weights on every call at more than one row).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 
+#include "cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 8;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+using cpu_kernel::Claims;
+using cpu_kernel::Fma;
+using cpu_kernel::kLanes;
+using cpu_kernel::Load;
+using cpu_kernel::Vec;
 // 4 x 3 accumulators, 3 weight vectors and a row's vector: AVX2's 16 registers (the
 // fastest of 2x4, 3x3, 3x4 and 4x3 measured at 1-256 rows, bench/README "CPU products";
 // on x86-64 the 4 x 3 pass is written in assembly, Pass4x3)
 constexpr int kRowBlock = 4;     // rows sharing a pass over a block of weight rows
 constexpr int kWeightBlock = 3;  // weight rows a pass holds
 constexpr int64_t kTaskWeightRows = 48;  // weight rows a task takes (in L2 across row blocks)
-
-// a * b + c rounded once, in every instantiation alike (built with -ffp-contract=off,
-// so the compiler fuses nothing on its own)
-inline Vec Fma(Vec a, Vec b, Vec c) {
-#if defined(__AVX__) && defined(__FMA__)
-  return reinterpret_cast<Vec>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
-                                                reinterpret_cast<__m256>(b),
-                                                reinterpret_cast<__m256>(c)));
-#else
-  Vec r;
-  for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
-  return r;
-#endif
-}
-
-inline void Pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-inline Vec Load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(Vec));
-  return v;
-}
 
 // The one reduction order: lanes in a fixed tree, then the tail in k order.
 inline float Finish(Vec acc, const float* x, const float* w, int64_t from, int64_t k) {
@@ -191,23 +163,18 @@ void Range(const float* x, const float* w, float* out, int64_t m, int64_t k, int
   for (; m0 < m; ++m0) Rows<1>(x, w, out, m0, k, n_total, from, to);
 }
 
-// Tasks claim blocks of weight rows; the caller claims too, so the call finishes even
-// when no pool thread comes, and a late pool thread finds nothing left.
-struct Work {
+// A task is a block of weight rows against every row.
+struct Work : Claims {
   const float* x;
   const float* w;
   float* out;
   int64_t m, k, n;
-  int64_t tasks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
   void Run() {
-    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
+    Each([this](int64_t t) {
       const int64_t from = t * kTaskWeightRows;
       Range(x, w, out, m, k, n, from, std::min(n, from + kTaskWeightRows));
-      done.fetch_add(1, std::memory_order_release);
-    }
+    });
   }
 };
 
@@ -227,10 +194,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* out
   work->k = k;
   work->n = n;
   work->tasks = (n + kTaskWeightRows - 1) / kTaskWeightRows;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->tasks) Pause();
+  cpu_kernel::RunOnPool(pool, work);
   return ffi::Error::Success();
 }
 

@@ -41,6 +41,8 @@ from jaxlib.version import __version__ as jaxlib_version
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_dot.cc")
+# included by every kernel source (relative to it): a change to it is a new library
+HEADER = Path(__file__).with_name("cpu_kernel.h")
 TARGET = "jax_llm_server_row_dot_f32"
 LAYER_TARGET = "jax_llm_server_row_dot_layer_f32"
 FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-funroll-loops", "-ffp-contract=off")
@@ -70,6 +72,7 @@ def _library_path(folder: Path, source: Path) -> Path:
     """A name that changes with the source, jaxlib, the flags and the processor."""
     key = hashlib.sha256()
     key.update(source.read_bytes())
+    key.update(HEADER.read_bytes())
     key.update(jaxlib_version.encode())
     key.update(" ".join(FLAGS).encode())
     key.update(platform.machine().encode())

@@ -8,16 +8,16 @@
 // in that order depends on the other rows, their count or their lengths, so a row's
 // bits are its own in any batch; threads only choose which task runs where.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
 
+#include "../cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX__) && defined(__FMA__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -25,32 +25,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 8;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+using cpu_kernel::Claims;
+using cpu_kernel::Fma;
+using cpu_kernel::kLanes;
+using cpu_kernel::Load;
+using cpu_kernel::Store;
+using cpu_kernel::Vec;
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-inline Vec Load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(Vec));
-  return v;
-}
-
-inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
-
 inline Vec Splat(float x) { return Vec{} + x; }
-
-// a * b + c rounded once (built with -ffp-contract=off: nothing else is fused)
-inline Vec Fma(Vec a, Vec b, Vec c) {
-#if defined(__AVX__) && defined(__FMA__)
-  return reinterpret_cast<Vec>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
-                                                reinterpret_cast<__m256>(b),
-                                                reinterpret_cast<__m256>(c)));
-#else
-  Vec r;
-  for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
-  return r;
-#endif
-}
 
 inline Vec Floor(Vec x) {
 #if defined(__AVX__)
@@ -92,7 +75,7 @@ inline Vec Exp(Vec x) {
 constexpr int kMaxGroups = 16;   // query heads per kv head this kernel takes
 constexpr int kMaxDimVecs = 32;  // head_dim / kLanes this kernel takes (head_dim <= 256)
 
-struct Work {
+struct Work : Claims {  // a task: one (row, kv head)
   const float* q;        // (rows, heads, dim)
   const int32_t* lens;   // (rows,): positions a row attends over, 0 for no row
   const int32_t* table;  // (rows, table_width): its pages
@@ -101,16 +84,10 @@ struct Work {
   int64_t rows, heads, dim, kv, page_size, table_width;
   int32_t window;  // 0: none
   float scale;
-  int64_t tasks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
   void Run() {
     std::vector<float> scores;
-    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
-      Task(t / kv, t % kv, scores);
-      done.fetch_add(1, std::memory_order_release);
-    }
+    Each([&](int64_t t) { Task(t / kv, t % kv, scores); });
   }
 
   // fn(i, keys) for the row's positions first + i in order; its values follow its keys.
@@ -197,12 +174,6 @@ struct Work {
   }
 };
 
-inline void Pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> table,
                            ffi::Buffer<ffi::F32> pages, ffi::Buffer<ffi::S32> window,
@@ -236,10 +207,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   work->window = window.typed_data()[0];
   work->scale = 1.0f / std::sqrt(static_cast<float>(qd[2]));
   work->tasks = work->rows * kv;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->tasks) Pause();
+  cpu_kernel::RunOnPool(pool, work);
   return ffi::Error::Success();
 }
 

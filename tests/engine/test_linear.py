@@ -115,6 +115,16 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch) -> None:
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 
 
+def test_the_shared_header_names_the_library(tmp_path, monkeypatch) -> None:
+    """Both kernels include engine/cpu_kernel.h: an edited header must build a new
+    library, never load one built from the old header."""
+    before = row_dot._library_path(tmp_path, row_dot.SOURCE)
+    header = tmp_path / "cpu_kernel.h"
+    header.write_bytes(row_dot.HEADER.read_bytes() + b"// edited\n")
+    monkeypatch.setattr(row_dot, "HEADER", header)
+    assert row_dot._library_path(tmp_path, row_dot.SOURCE) != before
+
+
 def test_a_layer_of_a_stack_is_read_in_place_with_the_same_bits() -> None:
     """engine.paged_model hands the kernel every layer's weights and the layer's index
     (a slice would be copied out of the stack first): the same bits as the slice alone,
