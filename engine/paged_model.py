@@ -225,6 +225,9 @@ def forward(
     per_layer = attention.layout.num_pages // cfg.num_layers
     size = attention.layout.page_size
     live = slots < per_layer * size  # padding: past every layer's pages, writing nothing
+    # the batch's tokens lie before its padding (make_batch): rows from here on are padding,
+    # which the products skip (the same count for every layer)
+    live_rows = attention_batch.cu_q_lens[attention_batch.num_seqs[0]]
 
     stacks = params["layers"]
     whole = in_place_weights(stacks, cfg)
@@ -240,7 +243,7 @@ def forward(
         )
         shifted_batch = dataclasses.replace(attention_batch, page_indices=table + index * per_layer)
         out = _layer(
-            lp, pages, x, cos, sin, shifted, shifted_batch, lora, index, cfg=cfg,
+            lp, pages, x, cos, sin, shifted, shifted_batch, lora, index, live_rows, cfg=cfg,
             attention=attention,
         )  # fmt: skip
         return out, None
@@ -261,18 +264,17 @@ def _layer(
     batch: AttentionBatch,
     lora: jax.Array | None,
     index: jax.Array,
+    live_rows: jax.Array,
     *,
     cfg: ModelConfig,
     attention: Attention,
 ) -> tuple[jax.Array, jax.Array]:
     """One decoder layer (the `index`th): its K/V written into its pages, attention, the
     MLP."""
-    # the batch's tokens lie before its padding (make_batch), which the kernel skips
-    live = jnp.asarray(batch.cu_q_lens, jnp.int32)[jnp.asarray(batch.num_seqs, jnp.int32)[0]]
-    q, k, v = attention_inputs(lp, x, cfg, cos, sin, lora, index, live)
+    q, k, v = attention_inputs(lp, x, cfg, cos, sin, lora, index, live_rows)
     pages = attention.write(pages, k, v, slots)
     attn = attention.attend(q, pages, batch, sliding_window=cfg.sliding_window)
-    out = layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg, lora, index, live)
+    out = layer_output(lp, x, attn.reshape(x.shape[0], cfg.q_size), cfg, lora, index, live_rows)
     return out, pages
 
 
