@@ -177,7 +177,7 @@ def measure(shape: Shape, model: str, repeats: int, budget_s: float) -> dict[str
                 step.layout,
                 chunk_size=CHUNK_SIZE,
                 max_prefill_seqs=MAX_PREFILL_SEQS,
-                decode_kernel=False,
+                kernel=False,
             ),
         ),
     )

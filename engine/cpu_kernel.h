@@ -1,4 +1,4 @@
-// What the engine's C++ CPU kernels share (engine/row_dot.cc, engine/attention/cpu_decode.cc):
+// What the engine's C++ CPU kernels share (engine/row_dot.cc, engine/attention/cpu_queries.cc):
 // an 8-lane float vector with its load, store and fused multiply-add, and the one way a
 // kernel spreads its tasks over XLA's thread pool. engine/row_dot.py builds each kernel
 // with this header beside it (the header's bytes are part of a built library's name).

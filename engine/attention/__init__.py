@@ -92,6 +92,6 @@ def attention_backend(
         # the decode kernel has no rule for splitting its operands: one device only
         alone = mesh is None or mesh.devices.size == 1
         return CpuAttention(
-            layout, chunk_size=chunk_size, max_prefill_seqs=max_prefill_seqs, decode_kernel=alone
+            layout, chunk_size=chunk_size, max_prefill_seqs=max_prefill_seqs, kernel=alone
         )
     return ReferenceAttention(layout)

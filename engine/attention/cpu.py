@@ -1,4 +1,4 @@
-"""XLA:CPU attention over the paged KV cache: tile by tile, reading only live pages.
+"""XLA:CPU attention over the paged KV cache: reading only live pages.
 
 Owns: `CpuAttention`, the CPU backend of the `Attention` seam. Receives a ragged batch's
 queries (T, heads, head_dim), the layer's pages with this step's K/V written, and the
@@ -6,20 +6,21 @@ queries (T, heads, head_dim), the layer's pages with this step's K/V written, an
 (scores and softmax in float32; padding queries give zeros). 8-bit pages are decoded
 block by block as they are read (KVLayout.decode), never as a whole cache.
 
-Work comes in units of fixed shape, each run by a loop whose trip count is its own live
-key blocks (an online softmax over blocks of whole pages):
-- decode rows (sequences of one query, wherever they stand in the batch): with float32
-  pages, engine.attention.cpu_kernel's kernel, each row reading its pages in place;
-  otherwise decode groups, GROUP_ROWS rows at a time, each row reading its own pages,
-  DECODE_BLOCK_TOKENS positions an iteration (small blocks keep a group's gathered keys
-  in cache);
+With float32 pages every query, decode row or prompt chunk's, runs through
+engine.attention.cpu_kernel, reading its pages in place, each query in one fixed order
+of its own (`any_form_bits`). Otherwise (16- and 8-bit pages, or `kernel=False`), work
+comes in units of fixed shape, each run by a loop whose trip count is its own live key
+blocks (an online softmax over blocks of whole pages):
+- decode groups: sequences of one query, wherever they stand in the batch, GROUP_ROWS
+  rows at a time, each row reading its own pages, DECODE_BLOCK_TOKENS positions an
+  iteration (small blocks keep a group's gathered keys in cache);
 - query tiles: TILE_QUERIES consecutive queries of one sequence of many (a prompt
   chunk), TILE_BLOCK_TOKENS positions an iteration, reading only the blocks up to its
   last query (causal) and in the window.
 Only units holding real queries run, so neither the bucket (T, S) nor the page table's
 length sets the work, and no bound of the scheduler's is needed for correctness.
 
-Bit-exactness: which unit a sequence runs in depends on its own query count only; a
+Bit-exactness of the units: which unit a sequence runs in depends on its own query count only; a
 unit's arithmetic has the same shapes in every batch (a bucket of fewer than GROUP_ROWS
 sequences runs smaller groups, and XLA's batched products give a batch element the
 same bits whatever their count: tests/engine/test_attention_cpu.py holds it to that);
@@ -39,6 +40,7 @@ from jax import lax
 
 from engine.attention import cpu_kernel
 from engine.attention.layout import AttentionBatch, KVLayout
+from engine.attention.reference import query_positions
 from engine.rowwise import tree_sum
 
 F32 = jnp.float32
@@ -97,7 +99,7 @@ class CpuAttention:
         tile_queries: int = TILE_QUERIES,
         decode_block_tokens: int = DECODE_BLOCK_TOKENS,
         tile_block_tokens: int = TILE_BLOCK_TOKENS,
-        decode_kernel: bool = True,
+        kernel: bool = True,
     ) -> None:
         if layout.fold != 1:
             raise ValueError(f"the CPU backend keeps fold 1, got {layout.fold}")
@@ -119,7 +121,13 @@ class CpuAttention:
         self.tile_queries = min(tile_queries, max(chunk_size, MIN_TILE_QUERIES))
         self.decode_pages = max(1, decode_block_tokens // layout.page_size)
         self.tile_pages = max(1, tile_block_tokens // layout.page_size)
-        self.decode_kernel = decode_kernel  # where usable: engine.attention.cpu_kernel
+        self.kernel = kernel  # where usable: engine.attention.cpu_kernel, for every row
+
+    def any_form_bits(self, heads: int) -> bool:
+        """Whether every query runs through engine.attention.cpu_kernel (float32 pages):
+        then a query's bits are the same whether its sequence runs as a decode row or
+        in any chunk."""
+        return self.kernel and cpu_kernel.usable(self.layout, heads)
 
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         return self.layout.write(pages, k, v, slots)
@@ -137,6 +145,13 @@ class CpuAttention:
         cu = jnp.asarray(batch.cu_q_lens, jnp.int32)
         q_lens = cu[1:] - cu[:-1]
         real = jnp.arange(s) < jnp.asarray(batch.num_seqs, jnp.int32)[0]
+        if self.any_form_bits(heads):
+            # every query row, decode or prompt, reading its sequence's pages in place
+            seq, position, live = query_positions(t, batch)
+            lens = jnp.where(live, position + 1, 0)
+            table = jnp.asarray(batch.page_indices, jnp.int32)
+            out = cpu_kernel.query_attention(q, lens, seq, table, pages, sliding_window)
+            return out.astype(q.dtype)
         group_rows = min(self.group_rows, t, s)  # a bucket of fewer rows runs smaller groups
         tile_queries = self.tile_queries
         # index s stands for no sequence: no positions, its query row past the batch
@@ -171,15 +186,6 @@ class CpuAttention:
         out = lax.fori_loop(0, ends[-1], tile, out)
 
         single = real & (q_lens == 1)
-        if self.decode_kernel and cpu_kernel.usable(self.layout, heads):
-            # sequences of one query (decode rows), each reading its pages in place
-            order = jnp.nonzero(single, size=s, fill_value=s)[0].astype(jnp.int32)
-            rows = first_row[order]  # no row: row t, past the batch
-            part = cpu_kernel.decode_attention(
-                padded_q[rows], kv_lens[order], table[order], pages, sliding_window
-            )
-            return out.at[rows].set(part.astype(out.dtype))[:t]
-
         # sequences of one query (decode rows, wherever they stand) in groups
         order = jnp.nonzero(single, size=s + group_rows, fill_value=s)[0].astype(jnp.int32)
 

@@ -1,18 +1,21 @@
-"""CPU decode attention that reads each row's pages where they lie (engine/attention/cpu_decode.cc).
+"""CPU attention that reads each query's pages where they lie
+(engine/attention/cpu_queries.cc), for decode rows and prompt chunks alike.
 
-Owns: `decode_attention`, the call, and `usable`, whether a layout and head shape can
-take it. Receives the decode rows' queries (R, heads, head_dim) float32, each row's
-length (its query at position len - 1; 0: no row), its page table, and every layer's
-float32 pages as the engine keeps them (`KVLayout`, fold 1, interleaved keys and
-values); emits (R, heads, head_dim) float32, zeros for rows of length 0.
+Owns: `query_attention`, the call, and `usable`, whether a layout and head shape can
+take it. Receives a step's queries (R, heads, head_dim) float32, each row's length (its
+query at position len - 1; 0: no row) and sequence (its row of the page table), the
+page table, and every layer's float32 pages as the engine keeps them (`KVLayout`, fold
+1, interleaved keys and values); emits (R, heads, head_dim) float32, zeros for rows of
+length 0.
 
-Why: XLA:CPU's form (engine.attention.cpu's decode groups) gathers every live position
-of a group's rows into fresh key and value blocks each step and moved them at ~3.4 GB/s
-here; at 32 sequences of ~400 positions the step spent about half its time there
-(bench/README, "CPU decode attention"). The kernel reads K and V once, in place. A row
-is computed alone in one fixed order (the .cc file says how), so its bits are its own
-in any batch, as the decode groups' are; it differs from the prompt tiles' bits as they
-do (one query: the decode form; engine.attention.cpu).
+Why: XLA:CPU's forms (engine.attention.cpu's decode groups and query tiles) gather a
+block's positions into fresh key and value blocks and run their loops at a few GB/s and
+GFLOP/s here (bench/README, "CPU decode attention", "Prompt attention in the kernel");
+the kernel reads K and V once, in place, and a prompt chunk's rows share each row of K
+and V they read. A query is computed alone in one fixed order (the .cc file says how),
+so its bits are its own in any batch, and a prompt position has the bits it would have
+as a decode row: how a prompt is chunked, or how much of it a prefix hit skips, changes
+no bit.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import jax.numpy as jnp
 from engine import row_dot
 from engine.attention.layout import KVLayout
 
-SOURCE = Path(__file__).with_name("cpu_decode.cc")
-TARGET = "jax_llm_server_decode_attention_f32"
+SOURCE = Path(__file__).with_name("cpu_queries.cc")
+TARGET = "jax_llm_server_query_attention_f32"
 MAX_GROUPS = 16  # query heads per kv head the kernel takes
 MAX_HEAD_DIM = 256
 
@@ -44,17 +47,23 @@ def usable(layout: KVLayout, heads: int) -> bool:
         and heads % layout.kv_heads == 0
         and heads // layout.kv_heads <= MAX_GROUPS
     )
-    return fits and row_dot.load(SOURCE, {TARGET: "DecodeAttentionF32"})
+    return fits and row_dot.load(SOURCE, {TARGET: "QueryAttentionF32"})
 
 
-def decode_attention(
-    q: jax.Array, lens: jax.Array, table: jax.Array, pages: jax.Array, window: int | None
+def query_attention(
+    q: jax.Array,
+    lens: jax.Array,
+    seqs: jax.Array,
+    table: jax.Array,
+    pages: jax.Array,
+    window: int | None,
 ) -> jax.Array:
-    """q (R, heads, dim) float32, lens (R,) int32, table (R, P) int32, pages (N, size,
-    2 * kv, dim) float32 -> (R, heads, dim) float32; `usable` first. `window`: a sliding
-    window's width, or None."""
+    """q (R, heads, dim) float32, lens (R,) int32, seqs (R,) int32, table (S, P) int32,
+    pages (N, size, 2 * kv, dim) float32 -> (R, heads, dim) float32; `usable` first.
+    `window`: a sliding window's width, or None."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     width = jnp.asarray([window or 0], jnp.int32)
+    i32 = jnp.int32
     return jax.ffi.ffi_call(TARGET, out)(
-        q.astype(jnp.float32), lens.astype(jnp.int32), table.astype(jnp.int32), pages, width
+        q.astype(jnp.float32), lens.astype(i32), seqs.astype(i32), table.astype(i32), pages, width
     )

@@ -99,6 +99,9 @@ class GpuAttention:
             fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
 
+    def any_form_bits(self, heads: int) -> bool:
+        return False  # a chunk's queries share blocks in the kernel
+
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         local = replace(self.layout, kv_heads=self.layout.kv_heads // self.shards)
         specs = (PAGES_SPEC, HEADS_SPEC, HEADS_SPEC, PartitionSpec())

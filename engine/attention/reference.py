@@ -28,6 +28,12 @@ class Attention(Protocol):
 
     layout: KVLayout
 
+    def any_form_bits(self, heads: int) -> bool:
+        """Whether a query's output bits are the same whatever form its sequence runs in
+        (a decode row, or any chunk of a prompt, beginning anywhere); then a prefix hit
+        may end anywhere (engine.core.scheduler)."""
+        ...
+
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         """Pages with the step's keys and values (T, kv_heads, head_dim) at `slots`."""
         ...
@@ -77,6 +83,9 @@ class ReferenceAttention:
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
+
+    def any_form_bits(self, heads: int) -> bool:
+        return False  # a chunk's queries are computed together, in shapes of its size
 
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         return self.layout.write(pages, k, v, slots)

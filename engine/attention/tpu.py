@@ -223,6 +223,9 @@ class PallasAttention:
             fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
 
+    def any_form_bits(self, heads: int) -> bool:
+        return False  # a chunk's queries share blocks in the ragged kernel
+
     def write(self, pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         shards = self.shards
         local = KVLayout(

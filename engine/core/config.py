@@ -167,6 +167,10 @@ class SchedulerConfig:
     # a disaggregated core's prefill set: prompts only; a sequence leaves for the decode
     # set once its first token is sampled (Scheduler.take_handoffs)
     prefill_only: bool = False
+    # the attention backend gives a query the same bits whether its sequence runs as a
+    # decode row or in any chunk (Attention.any_form_bits): a prefix hit may then end
+    # anywhere, one position short of the prompt too
+    any_form_hits: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_size"):

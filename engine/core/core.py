@@ -131,6 +131,15 @@ class EngineCore:
                 max_prefill_seqs=config.max_prefill_seqs,
                 attention_choice=config.attention,
             )
+        attention = attention_backend(
+            platform,
+            layout.stacked(cfg.num_layers),
+            self.mesh,
+            chunk_size=chunk,
+            max_prefill_seqs=config.max_prefill_seqs,
+            choice=config.attention,
+        )
+        self.attention = attention
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -142,19 +151,11 @@ class EngineCore:
                 speculative=spec,
                 prefill_only=config.prefill_only,
                 max_loras=config.max_loras,
+                any_form_hits=attention.any_form_bits(cfg.num_heads),
             ),
             pool,
             self.draft,
         )
-        attention = attention_backend(
-            platform,
-            layout.stacked(cfg.num_layers),
-            self.mesh,
-            chunk_size=chunk,
-            max_prefill_seqs=config.max_prefill_seqs,
-            choice=config.attention,
-        )
-        self.attention = attention
         self.runner = Runner(
             params,
             cfg,

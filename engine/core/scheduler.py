@@ -471,10 +471,12 @@ class Scheduler:
                 return  # every prompt position's logits are needed: no hit may skip one
             seq.pages = self.pool.match_prefix(seq.tokens, root_key(seq.adapter))
             last = len(seq.prompt) - 1
-            if len(seq.pages) * self.pool.page_size == last and last % self.config.chunk_size:
+            short = len(seq.pages) * self.pool.page_size == last and last % self.config.chunk_size
+            if short and not self.config.any_form_hits:
                 # One prompt position left would run as a decode row, computed without the
-                # hit in a chunk's tile; the two forms differ in the last bits on XLA:CPU
-                # (engine.attention.cpu), so it takes its last page's positions with it.
+                # hit in a chunk; where the backend's two forms differ in the last bits
+                # (XLA:CPU's tiles, the TPU and GPU kernels), it takes its last page's
+                # positions with it.
                 self.pool.free(seq.pages[-1:])
                 del seq.pages[-1:]
             seq.computed = len(seq.pages) * self.pool.page_size

@@ -53,7 +53,7 @@ class Config:
     group_rows: int = cpu.GROUP_ROWS
     tile_block_tokens: int = cpu.TILE_BLOCK_TOKENS
     decode_block_tokens: int = cpu.DECODE_BLOCK_TOKENS
-    decode_kernel: bool = True  # float32 decode rows through engine.attention.cpu_kernel
+    kernel: bool = True  # float32 rows through engine.attention.cpu_kernel
 
     @property
     def heads(self) -> int:
@@ -62,7 +62,7 @@ class Config:
 
 CONFIGS = [
     Config(4, 3, 64),  # the 100m model's heads, the default sizes
-    Config(4, 2, 32, window=40, group_rows=16, decode_kernel=False),  # 16 rows: jnp.sum varies
+    Config(4, 2, 32, window=40, group_rows=16, kernel=False),  # 16 rows: jnp.sum varies
     Config(1, 4, 32, dtype="bfloat16"),
     # many tiles, groups and blocks a batch
     Config(4, 3, 64, tile_queries=16, group_rows=4, tile_block_tokens=32),
@@ -90,7 +90,7 @@ def jitted(config: Config, backend: str, num_pages: int) -> Attend:
             group_rows=config.group_rows,
             tile_block_tokens=config.tile_block_tokens,
             decode_block_tokens=config.decode_block_tokens,
-            decode_kernel=config.decode_kernel,
+            kernel=config.kernel,
         )
     else:
         attention = ReferenceAttention(layout)
@@ -283,6 +283,31 @@ def test_a_prompt_chunk_has_the_same_bits_in_any_batch(config: Config) -> None:
         tokens, seqs = (128, 16) if name == "a bigger bucket" else (64, 8)
         got = target_output(config, spans, target, tokens, seqs, seed=len(name))
         assert np.array_equal(got, alone), name
+
+
+KERNEL_CONFIGS = [CONFIGS[0], Config(2, 4, 64, window=20)]  # float32: every row in the kernel
+
+
+@pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=str)
+def test_a_prompt_position_has_the_bits_of_its_decode_row(config: Config) -> None:
+    """Through the kernel a query's bits do not depend on the form its sequence runs in:
+    a chunk's rows equal the same queries as decode rows and as other chunks' rows, so
+    neither chunking nor a prefix hit's length can change a bit."""
+    q, kv = own_data(config, 45)
+    first = TARGET_LEN - 45
+
+    def run(spans: list[Span], target: int, start: int, stop: int) -> np.ndarray:
+        fixed = {target: (q[start - first : stop - first], kv[:stop])}
+        case = build(config, spans, tokens=64, seqs=8, seed=stop, fixed=fixed)
+        return attend(config, case)[case.rows(target)]
+
+    whole = run([(first, 45)], 0, first, TARGET_LEN)
+    for i in (0, 17, 44):
+        row = run([(5, 1), (20, 9), (first + i, 1)], 2, first + i, first + i + 1)
+        assert np.array_equal(row[0], whole[i]), i
+    split = first + 20
+    parts = [run([(3, 1), (first, 20)], 1, first, split), run([(split, 25)], 0, split, TARGET_LEN)]
+    assert np.array_equal(np.concatenate(parts), whole)
 
 
 def test_a_fully_masked_block_keeps_the_state_bit_for_bit() -> None:

@@ -144,23 +144,28 @@ def test_logprob_bits_alone_and_among_31_others_at_a_served_width(tiny_checkpoin
             assert alone[f"s{i}"] == batched[f"s{i}"], (sampling, i)
 
 
-def test_a_prefix_hit_gives_the_logprob_bits_of_none(folder) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "cached"), [("auto", [40, 32, 40, 16]), ("int8", [32, 32, 40, 16])]
+)
+def test_a_prefix_hit_gives_the_logprob_bits_of_none(folder, kv_cache_dtype, cached) -> None:  # type: ignore[no-untyped-def]
     """A hit skips whole pages (8 positions; chunks of 16) and the positions after it get
     the bits they get without it: also a prompt of 41 (5 whole pages and one position,
-    which without the hit runs in a chunk's tile [32, 41): the hit stops a page short, so
-    it stays in a tile, not a decode row) and one of 33 (whose last chunk [32, 33) is one
-    position either way)."""
+    which without the hit runs in a chunk [32, 41)) and one of 33 (whose last chunk
+    [32, 33) is one position either way). Float32 pages: every query in the CPU kernel,
+    whose bits do not depend on the form, so the 41's hit takes all 5 pages and its last
+    position runs as a decode row; 8-bit pages: XLA's tiles and decode groups differ in
+    the last bits, so the hit stops a page short and the position stays in a chunk."""
     rng = np.random.default_rng(9)
     vocab = load_model_config(folder).vocab_size
     ps = [rng.integers(3, vocab, n).tolist() for n in (41, 33, 44, 17)]
     for sampling in (replace(GREEDY, logprobs=1), replace(SEEDED, logprobs=2)):
-        fresh = logprob_events(make(folder), ps, range(4), sampling)
-        core = make(folder)
+        fresh = logprob_events(make(folder, kv_cache_dtype=kv_cache_dtype), ps, range(4), sampling)
+        core = make(folder, kv_cache_dtype=kv_cache_dtype)
         logprob_events(core, ps, range(4), sampling)  # their blocks are cached now
         seqs = [SequenceState(f"s{i}", tuple(p), sampling, 6) for i, p in enumerate(ps)]
         again = {k: [(e.token, e.logprob) for e in v] for k, v in run(core, seqs).items()}
         assert again == fresh, sampling
-        assert [s.cached_tokens for s in seqs] == [32, 32, 40, 16]
+        assert [s.cached_tokens for s in seqs] == cached
 
 
 def test_a_preempted_sequence_gets_the_logprob_bits_it_had(tiny_checkpoint_of) -> None:  # type: ignore[no-untyped-def]
