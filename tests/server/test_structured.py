@@ -370,16 +370,23 @@ REGEXES = st.lists(
     max_size=4,
 ).map("".join)
 PROPERTY = settings(
-    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=6,
+    deadline=None,
+    derandomize=True,  # the same examples every run: a failure is one to reproduce
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
+# Two-item arrays of objects with 6-character strings, at temperature 1 on the random
+# tiny model, ran to 85 tokens (3-4 byte-level tokens a character, the grammar's bounded
+# whitespace): within the test server's 128 with this short prompt.
+SCHEMA_BUDGET = 120
 
 
 @PROPERTY
 @given(schema=SCHEMAS, seed=st.integers(0, 2**31 - 1))
 def test_random_schemas_give_conforming_json(live: LiveServer, schema: dict, seed: int) -> None:
     body = {
-        "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": BUDGET, "temperature": 1.0,
-        "seed": seed, "structured_outputs": {"json": schema},
+        "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": SCHEMA_BUDGET,
+        "temperature": 1.0, "seed": seed, "structured_outputs": {"json": schema},
     }  # fmt: skip
     choice = httpx.post(live.v1 + "/completions", json=body, timeout=120).json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
