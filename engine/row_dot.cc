@@ -32,9 +32,10 @@ constexpr int kRowBlock = 4;     // rows sharing a pass over a block of weight r
 constexpr int kWeightBlock = 3;  // weight rows a pass holds
 constexpr int64_t kTaskWeightRows = 48;  // weight rows a task takes (in L2 across row blocks)
 
-// The one reduction order: lanes in a fixed tree, then the tail in k order.
+// The one reduction order: lanes in a fixed tree (cpu_kernel::Sum), then the tail in k
+// order.
 inline float Finish(Vec acc, const float* x, const float* w, int64_t from, int64_t k) {
-  float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+  float s = cpu_kernel::Sum(acc);
   for (int64_t i = from; i < k; ++i) s = __builtin_fmaf(x[i], w[i], s);
   return s;
 }

@@ -36,6 +36,8 @@ using cpu_kernel::Fma;
 using cpu_kernel::kLanes;
 using cpu_kernel::Load;
 using cpu_kernel::Store;
+using cpu_kernel::Sum;
+using cpu_kernel::Sums;
 using cpu_kernel::Vec;
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -47,33 +49,6 @@ inline Vec Floor(Vec x) {
 #else
   for (int i = 0; i < kLanes; ++i) x[i] = std::floor(x[i]);
   return x;
-#endif
-}
-
-// The lanes of v added in one fixed tree.
-inline float Sum(Vec v) {
-  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
-}
-
-// {Sum(a[0]), ..., Sum(a[7])}: the same tree of adds for each, 8 at once.
-inline Vec Sums(const Vec* a) {
-#if defined(__AVX__)
-  __m256 w[4];
-  for (int j = 0; j < 4; ++j) {  // lanes l + l + 4: a[j] in the low half, a[j + 4] high
-    const __m256 x = reinterpret_cast<__m256>(a[j]);
-    const __m256 y = reinterpret_cast<__m256>(a[j + 4]);
-    w[j] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
-  }
-  // (v0 + v4) + (v2 + v6) and (v1 + v5) + (v3 + v7), two rows to a half
-  const __m256 x01 = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x44), _mm256_shuffle_ps(w[0], w[1], 0xEE));
-  const __m256 x23 = _mm256_add_ps(_mm256_shuffle_ps(w[2], w[3], 0x44), _mm256_shuffle_ps(w[2], w[3], 0xEE));
-  // the two halves of each sum added: rows 0-3 low, 4-7 high
-  return reinterpret_cast<Vec>(
-      _mm256_add_ps(_mm256_shuffle_ps(x01, x23, 0x88), _mm256_shuffle_ps(x01, x23, 0xDD)));
-#else
-  Vec out;
-  for (int j = 0; j < kLanes; ++j) out[j] = Sum(a[j]);
-  return out;
 #endif
 }
 

@@ -27,7 +27,10 @@ class BackendDefaults:
 AWAITING_MEASUREMENT = "awaiting measurement on a GPU (bench.gpu_decode; today's values kept)"
 
 BACKEND_DEFAULTS = {
-    "cpu": BackendDefaults(256, 16, 0.9, "bench/README.md, CPU"),
+    # Served against vLLM on 2 cores, chunks of 128 against 256 (3 rounds): first tokens
+    # 0.60-0.68x as late at c = 8 and 32 and the inter-token p99 0.69-0.71x, output tok/s
+    # level (bench/README.md, "Prompt rows in the kernel").
+    "cpu": BackendDefaults(128, 16, 0.9, 'bench/README.md, "Prompt rows in the kernel"'),
     # A TPU step reads every weight once per chunk: a 1,024-token prompt's roofline time
     # over one pass over the weights and its K/V, the 8B at TP 4 on v6e compiled as the
     # server compiles it: 1.72x in chunks of 512, 1.09x in one chunk of 1,024 (the 1B

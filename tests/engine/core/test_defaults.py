@@ -16,7 +16,7 @@ def test_every_backend_has_its_row_and_gpu_awaits_measurement() -> None:
     assert defaults_for("gpu").source == AWAITING_MEASUREMENT
     assert "measurement" not in defaults_for("tpu").source
     assert defaults_for("rocm") == BACKEND_DEFAULTS["cpu"]  # unknown: the CPU's
-    assert CHUNK_SIZE == {"cpu": 256, "tpu": 1024, "gpu": 256}  # read from the table
+    assert CHUNK_SIZE == {"cpu": 128, "tpu": 1024, "gpu": 256}  # read from the table
     unset = CoreConfig("m", max_num_seqs=8, chunk_size=None, max_num_batched_tokens=None)
     assert backend_shapes(unset, "gpu") == (defaults_for("gpu").chunk_size, 256 + 8)
 
