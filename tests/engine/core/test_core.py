@@ -383,9 +383,10 @@ def test_a_row_taken_over_samples_with_its_new_sequences_parameters(folder) -> N
 
 def test_a_config_without_a_chunk_takes_its_backends() -> None:
     """TPU reads every weight once a chunk: its chunks are 1,024 positions (bench/README.md,
-    "TPU programs"); elsewhere 256; a step takes a chunk beside every decode row."""
+    "TPU programs"); CPU 128 ("Prompt rows in the kernel"); a step takes a chunk beside
+    every decode row."""
     unset = CoreConfig("m", max_num_seqs=8, chunk_size=None, max_num_batched_tokens=None)
     assert backend_shapes(unset, "tpu") == (1024, 1032)
-    assert backend_shapes(unset, "cpu") == (256, 264)
+    assert backend_shapes(unset, "cpu") == (128, 136)
     given = replace(unset, chunk_size=64, max_num_batched_tokens=100)
     assert backend_shapes(given, "tpu") == (64, 100)
