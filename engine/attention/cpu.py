@@ -20,14 +20,15 @@ blocks (an online softmax over blocks of whole pages):
 Only units holding real queries run, so neither the bucket (T, S) nor the page table's
 length sets the work, and no bound of the scheduler's is needed for correctness.
 
-Bit-exactness of the units: which unit a sequence runs in depends on its own query count only; a
-unit's arithmetic has the same shapes in every batch (a bucket of fewer than GROUP_ROWS
-sequences runs smaller groups, and XLA's batched products give a batch element the
-same bits whatever their count: tests/engine/test_attention_cpu.py holds it to that);
-blocks are aligned to absolute positions; a sum over a block is a fixed tree of adds
-(XLA's reduce orders its adds by the array's shape); and a fully masked block leaves
-the online softmax state bit-identical. So a sequence's output bits depend on neither
-the other sequences, the padding, the bucket, nor how many blocks its unit's loop ran.
+Bit-exactness of the units: which unit a sequence runs in depends on its own query
+count only; a unit's arithmetic has the same shapes in every batch (a bucket of fewer
+than GROUP_ROWS sequences runs smaller groups, and XLA's batched products give a batch
+element the same bits whatever their count: tests/engine/test_attention_cpu.py holds it
+to that); blocks are aligned to absolute positions; a sum over a block is a fixed tree
+of adds (XLA's reduce orders its adds by the array's shape); and a fully masked block
+leaves the online softmax state bit-identical. So a sequence's output bits depend on
+neither the other sequences, the padding, the bucket, nor how many blocks its unit's
+loop ran.
 """
 
 from __future__ import annotations
@@ -141,10 +142,6 @@ class CpuAttention:
         sliding_window: int | None = None,
     ) -> jax.Array:
         t, heads, dim = q.shape
-        s = batch.kv_lens.shape[0]
-        cu = jnp.asarray(batch.cu_q_lens, jnp.int32)
-        q_lens = cu[1:] - cu[:-1]
-        real = jnp.arange(s) < jnp.asarray(batch.num_seqs, jnp.int32)[0]
         if self.any_form_bits(heads):
             # every query row, decode or prompt, reading its sequence's pages in place
             seq, position, live = query_positions(t, batch)
@@ -152,6 +149,10 @@ class CpuAttention:
             table = jnp.asarray(batch.page_indices, jnp.int32)
             out = cpu_kernel.query_attention(q, lens, seq, table, pages, sliding_window)
             return out.astype(q.dtype)
+        s = batch.kv_lens.shape[0]
+        cu = jnp.asarray(batch.cu_q_lens, jnp.int32)
+        q_lens = cu[1:] - cu[:-1]
+        real = jnp.arange(s) < jnp.asarray(batch.num_seqs, jnp.int32)[0]
         group_rows = min(self.group_rows, t, s)  # a bucket of fewer rows runs smaller groups
         tile_queries = self.tile_queries
         # index s stands for no sequence: no positions, its query row past the batch
