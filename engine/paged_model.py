@@ -101,12 +101,17 @@ def make_batch(
     return StepBatch(ids, positions, slots, attention, last)
 
 
-def head_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def head_logits(
+    params: Params, x: jax.Array, cfg: ModelConfig, live: jax.Array | None = None
+) -> jax.Array:
     """Final norm and vocabulary product of rows (R, hidden) -> float32 (R, vocab).
 
     The head is (vocab, hidden) (the embedding when tied), contracted over hidden as
     stored: no transposed copy of it exists. An untied head that `hidden_major_head`
     stored as "lm_head_t" (hidden, vocab) goes through `_hidden_major` instead.
+    `live` (an int32 scalar): rows from it on are padding; engine.row_dot's product
+    leaves their logits at zero at no cost (a step's sequence bucket past its sequences:
+    a 128k head at 32 rows is ~20 ms on 2 cores), other products compute them.
     """
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.fixed_order_sums)
     if "lm_head_t" in params:
@@ -114,7 +119,7 @@ def head_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     name = "lm_head" if "lm_head" in params else "embed"
     head, scale = params[name], params.get(name + "_scale")
     if scale is None and cfg.row_products and x.dtype == head.dtype == F32:
-        return row_dot.row_dot(x, head)  # a row's bits its own at any row count
+        return row_dot.row_dot(x, head, live=live)  # a row's bits its own at any row count
     if scale is None:
         return lax.dot_general(x, head, (((1,), (1,)), ((), ())), preferred_element_type=F32)
     # int8 (engine.quant): each vocabulary row's scale applies to its logit

@@ -86,7 +86,7 @@ def step_program(
     tokens = jnp.where(carry >= 0, last[jnp.maximum(carry, 0)], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
     x, pages = forward(params, pages, batch, inv_freq, cfg, attention)
-    logits = head_logits(params, x[batch.last], cfg)
+    logits = head_logits(params, x[batch.last], cfg, live=batch.attention.num_seqs[0])
     counts = lax.cond(
         jnp.any(fresh),
         lambda c: c.at[jnp.where(fresh, rows, c.shape[0])].set(0, mode="drop"),
