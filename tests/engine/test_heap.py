@@ -31,5 +31,6 @@ def test_garbage_goes_and_the_live_heap_is_frozen(unfrozen_after: None) -> None:
     del garbage
     frozen = freeze_startup_heap()
     assert gone() is None  # the unreachable cycle was collected first, not frozen
-    assert frozen == gc.get_freeze_count() > 0
+    # at least what it froze: a thread an earlier test left may freeze more meanwhile
+    assert 0 < frozen <= gc.get_freeze_count()
     assert gc.is_tracked(live) and not any(live is o for o in gc.get_objects())  # frozen
