@@ -42,7 +42,9 @@ def layer_shapes(name: str) -> tuple[int, list[tuple[int, int]]]:
     return layers, [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
 
 
-def measure(model: str, rows: list[int], repeats: int) -> list[dict[str, Any]]:
+def measure(
+    model: str, rows: list[int], repeats: int, dtype: str = "float32"
+) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -50,17 +52,18 @@ def measure(model: str, rows: list[int], repeats: int) -> list[dict[str, Any]]:
     from engine import row_dot
     from engine.model import project
 
-    if not row_dot.available():
-        raise SystemExit("engine.row_dot's kernel does not build here")
+    if not row_dot.serves(dtype):
+        raise SystemExit(f"engine.row_dot's kernel does not serve {dtype} here")
     layers, shapes = layer_shapes(model)
     rng = np.random.default_rng(0)
     weights = [
-        [jnp.asarray(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
+        [jnp.asarray(rng.standard_normal(s, dtype=np.float32), dtype) for s in shapes]
         for _ in range(layers)
     ]
     weight_bytes = sum(w.nbytes for ws in weights for w in ws)
+    params = sum(w.size for ws in weights for w in ws)
     widest = max(k for _, k in shapes)
-    x_all = jnp.asarray(rng.standard_normal((max(rows), widest), dtype=np.float32))
+    x_all = jnp.asarray(rng.standard_normal((max(rows), widest), dtype=np.float32), dtype)
     out: list[dict[str, Any]] = []
     for form in ("xla", "kernel"):
 
@@ -82,10 +85,11 @@ def measure(model: str, rows: list[int], repeats: int) -> list[dict[str, Any]]:
             out.append(
                 {
                     "form": form,
+                    "dtype": dtype,
                     "rows": n,
                     "seconds": round(seconds, 5),
                     "weight_gb_s": round(weight_bytes / seconds / 1e9, 2),
-                    "gflop_s": round(2 * n * weight_bytes / 4 / seconds / 1e9, 1),
+                    "gflop_s": round(2 * n * params / seconds / 1e9, 1),
                     "row0_bits_as_alone": same,
                 }
             )
@@ -98,13 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m, 1b or 8b")
     parser.add_argument("--rows", default="1,2,8,32,256")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
-    result = measure(args.model, rows, args.repeats)
+    result = measure(args.model, rows, args.repeats, args.dtype)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "rows": result}, f, indent=1)
+            json.dump({"model": args.model, "dtype": args.dtype, "rows": result}, f, indent=1)
 
 
 if __name__ == "__main__":

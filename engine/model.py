@@ -50,16 +50,17 @@ def project(
     device's share of a split `in` axis leaves in before they are summed; int8 keeps
     float32 for its scale.
     `kernel` (ModelConfig.row_products): float32 rows and weights through engine.row_dot,
-    whose bits for a row are the same at any row count from 1; XLA's product otherwise.
+    and bfloat16 ones where its bfloat16 form is native (`row_dot.serves`), whose bits
+    for a row are the same at any row count from 1; XLA's product otherwise.
     `layer`: w is every layer's weight stacked (L, out, in) and this layer's is used
     (the kernel reads it in place; XLA's product takes a copy of it).
     `live`: rows of x from this one on are a step's padding, which the kernel skips
     (zeros); XLA's product computes every row.
     """
     rows = x.reshape(-1, x.shape[-1])
-    if kernel and scale is None and rows.dtype == w.dtype == F32:
+    if kernel and scale is None and rows.dtype == w.dtype and row_dot.serves(w.dtype):
         out = row_dot.row_dot(rows, w, layer, live)
-        return out.reshape(*x.shape[:-1], w.shape[-2])
+        return out.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-2])
     if layer is not None:
         w = lax.dynamic_index_in_dim(w, layer, keepdims=False)
     if scale is not None:

@@ -11,7 +11,8 @@ Params are the checkpoint's layout (engine.checkpoint.load_params): the head is
 (vocab, hidden), contracted over hidden as it is, and a tied head is the embedding
 itself, so no transposed copy is kept. On CPU an untied head is stored hidden-major
 instead (`hidden_major_head`, chosen by engine.core.core with the other CPU layouts),
-unless engine.row_dot's kernel reads it as stored (ModelConfig.row_products, float32).
+unless engine.row_dot's kernel reads it as stored (ModelConfig.row_products, float32,
+and bfloat16 where the processor has its dot products: `row_dot.serves`).
 The layer math is engine.model's. Params quantized by engine.quant (int8 weights with
 `<name>_scale` beside them) go through the same functions.
 """
@@ -118,7 +119,7 @@ def head_logits(
         return _hidden_major(x, params["lm_head_t"])
     name = "lm_head" if "lm_head" in params else "embed"
     head, scale = params[name], params.get(name + "_scale")
-    if scale is None and cfg.row_products and x.dtype == head.dtype == F32:
+    if scale is None and cfg.row_products and x.dtype == head.dtype and row_dot.serves(head.dtype):
         return row_dot.row_dot(x, head, live=live)  # a row's bits its own at any row count
     if scale is None:
         return lax.dot_general(x, head, (((1,), (1,)), ((), ())), preferred_element_type=F32)
@@ -144,7 +145,7 @@ def hidden_major_head(params: Params, cfg: ModelConfig) -> Params:
     """
     if "lm_head" not in params or "lm_head_scale" in params:
         return params
-    if cfg.row_products and params["lm_head"].dtype == F32:  # engine.row_dot reads it as stored
+    if cfg.row_products and row_dot.serves(params["lm_head"].dtype):  # read as stored
         return params
     out = {k: v for k, v in params.items() if k != "lm_head"}
     head = params["lm_head"]
@@ -288,14 +289,14 @@ PRODUCT_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 def row_invariant_products(params: Params, cfg: ModelConfig) -> bool:
     """Whether every product of a step gives a row the same bits at one row as at many:
-    all of them through engine.row_dot (float32 layer weights and head, nothing int8, no
-    LoRA pool, whose products are XLA's). Params as `stack_layers` gives them."""
+    all of them through engine.row_dot (layer weights and head in a dtype it serves here,
+    nothing int8, no LoRA pool, whose products are XLA's). Params as `stack_layers` gives them."""
     stacks = params["layers"]
     head = params["lm_head"] if "lm_head" in params else params.get("embed")
     return (
         cfg.row_products
         and head is not None
-        and head.dtype == F32
+        and row_dot.serves(head.dtype)
         and "lm_head_t" not in params
         and not any(name.endswith("_scale") for name in (*params, *stacks))
         and not any(name.startswith("lora_") for name in stacks)
@@ -305,7 +306,7 @@ def row_invariant_products(params: Params, cfg: ModelConfig) -> bool:
 
 def in_place_weights(stacks: Params, cfg: ModelConfig) -> tuple[str, ...]:
     """The stacked layer weights the layers read in place, not as the scan's slices:
-    float32 products through engine.row_dot (ModelConfig.row_products), which reads a
+    products through engine.row_dot (ModelConfig.row_products, `row_dot.serves`), which reads a
     layer out of the stack where XLA would copy each slice out first (a pass over the
     weights every step)."""
     if not cfg.row_products:
@@ -313,5 +314,5 @@ def in_place_weights(stacks: Params, cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(
         name
         for name in PRODUCT_WEIGHTS
-        if name in stacks and stacks[name].dtype == F32 and name + "_scale" not in stacks
+        if name in stacks and row_dot.serves(stacks[name].dtype) and name + "_scale" not in stacks
     )

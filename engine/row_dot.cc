@@ -11,7 +11,9 @@
 // products pack the weights on every call at more than one row).
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
@@ -295,10 +297,117 @@ void Range(const float* x, const float* w, float* out, int64_t m, int64_t k, int
   for (; m0 < m; ++m0) Rows<1>(x, w, out, m0, k, n_total, from, to);
 }
 
+
+// bfloat16 rows and weights, summed in float32: each output element owns 16 float32
+// lanes; lane l sums the pairs (k, k + 1) = (32 j + 2 l, 32 j + 2 l + 1) over j in order
+// (AVX512-BF16's VDPBF16PS: both products exact in float32, added to the lane), the
+// K % 32 tail as one more step with zeros past K; then lanes l and l + 8 are added and
+// the 8 sums go through cpu_kernel::Sum. As for float32, blocking and threading change
+// which accumulators live together, never one's order. Without AVX512-BF16 the same
+// steps are emulated lane by lane (slow: engine.row_dot serves bfloat16 with it only
+// where the instruction is there, `RowDotBf16Native`).
+namespace bf16 {
+
+constexpr int64_t kStep = 32;  // bfloat16 values a step takes (16 lanes of pairs)
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kNative = true;
+typedef __m512 Acc;
+typedef __m512bh Pairs;
+inline Acc Zero() { return _mm512_setzero_ps(); }
+inline Pairs Ld(const uint16_t* p) { return reinterpret_cast<Pairs>(_mm512_loadu_si512(p)); }
+inline Pairs LdTail(const uint16_t* p, int64_t n) {
+  return reinterpret_cast<Pairs>(_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p));
+}
+inline Acc Dot(Acc acc, Pairs a, Pairs b) { return _mm512_dpbf16_ps(acc, a, b); }
+inline void Put(float* p, Acc a) { _mm512_storeu_ps(p, a); }
+#else
+constexpr bool kNative = false;
+struct Acc { float l[16]; };
+struct Pairs { uint16_t v[32]; };
+inline Acc Zero() { return Acc{}; }
+inline Pairs Ld(const uint16_t* p) { Pairs r; std::memcpy(r.v, p, sizeof r.v); return r; }
+inline Pairs LdTail(const uint16_t* p, int64_t n) {
+  Pairs r{};
+  std::memcpy(r.v, p, n * sizeof(uint16_t));
+  return r;
+}
+inline float Wide(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline Acc Dot(Acc acc, const Pairs& a, const Pairs& b) {
+  for (int l = 0; l < 16; ++l) {
+    acc.l[l] = acc.l[l] + Wide(a.v[2 * l + 1]) * Wide(b.v[2 * l + 1]);
+    acc.l[l] = acc.l[l] + Wide(a.v[2 * l]) * Wide(b.v[2 * l]);
+  }
+  return acc;
+}
+inline void Put(float* p, const Acc& a) { std::memcpy(p, a.l, sizeof a.l); }
+#endif
+
+inline float Finish(const Acc& acc) {
+  alignas(64) float lanes[16];
+  Put(lanes, acc);
+  return cpu_kernel::Sum(Load(lanes) + Load(lanes + 8));
+}
+
+// out[m, n] for rows [m0, m0 + R) and weight rows [n0, n0 + C)
+template <int R, int C>
+inline void Block(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t n0,
+                  int64_t k, int64_t n_total) {
+  Acc acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = Zero();
+  const int64_t body = k - k % kStep;
+  for (int64_t i = 0; i < body; i += kStep) {
+    Pairs wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = Ld(w + (n0 + c) * k + i);
+    for (int r = 0; r < R; ++r) {
+      const Pairs xv = Ld(x + (m0 + r) * k + i);
+      for (int c = 0; c < C; ++c) acc[r][c] = Dot(acc[r][c], xv, wv[c]);
+    }
+  }
+  if (body < k) {
+    Pairs wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = LdTail(w + (n0 + c) * k + body, k - body);
+    for (int r = 0; r < R; ++r) {
+      const Pairs xv = LdTail(x + (m0 + r) * k + body, k - body);
+      for (int c = 0; c < C; ++c) acc[r][c] = Dot(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[(m0 + r) * n_total + n0 + c] = Finish(acc[r][c]);
+}
+
+template <int R>
+void Rows(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t k,
+          int64_t n_total, int64_t from, int64_t to) {
+  int64_t n0 = from;
+  for (; n0 + kWeightBlock <= to; n0 += kWeightBlock)
+    Block<R, kWeightBlock>(x, w, out, m0, n0, k, n_total);
+  for (; n0 < to; ++n0) Block<R, 1>(x, w, out, m0, n0, k, n_total);
+}
+
+}  // namespace bf16
+
+void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t m, int64_t k,
+           int64_t n_total, int64_t from, int64_t to) {
+  int64_t m0 = 0;
+  if constexpr (bf16::kNative)  // 24 accumulators in 32 registers
+    for (; m0 + 8 <= m; m0 += 8) bf16::Rows<8>(x, w, out, m0, k, n_total, from, to);
+  for (; m0 + kRowBlock <= m; m0 += kRowBlock)
+    bf16::Rows<kRowBlock>(x, w, out, m0, k, n_total, from, to);
+  for (; m0 < m; ++m0) bf16::Rows<1>(x, w, out, m0, k, n_total, from, to);
+}
+
 // A task is a block of weight rows against every row.
+template <typename T>
 struct Work : Claims {
-  const float* x;
-  const float* w;
+  const T* x;
+  const T* w;
   float* out;
   int64_t m, k, n;
 
@@ -312,13 +421,14 @@ struct Work : Claims {
 
 // Rows from `live` on are padding (a step's bucket past its tokens): their outputs are
 // zeros, and they cost nothing (a row's products never involve another row).
-ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* out, int64_t m,
-               int64_t k, int64_t n, const ffi::Buffer<ffi::S32>& live) {
+template <typename T>
+ffi::Error Run(ffi::ThreadPool& pool, const T* x, const T* w, float* out, int64_t m, int64_t k,
+               int64_t n, const ffi::Buffer<ffi::S32>& live) {
   if (live.element_count() != 1) return ffi::Error::InvalidArgument("row_dot: live is one int");
   const int64_t rows = std::clamp<int64_t>(live.typed_data()[0], 0, m);
   std::fill(out + rows * n, out + m * n, 0.0f);
   m = rows;
-  auto work = std::make_shared<Work>();
+  auto work = std::make_shared<Work<T>>();
   work->x = x;
   work->w = w;
   work->out = out;
@@ -330,18 +440,29 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* out
   return ffi::Error::Success();
 }
 
-ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+// The element type a handler takes: float32, or bfloat16 read as its 16 bits.
+template <ffi::DataType D>
+using Elem = std::conditional_t<D == ffi::F32, float, uint16_t>;
+
+template <ffi::DataType D>
+const Elem<D>* Data(const ffi::Buffer<D>& b) {
+  return reinterpret_cast<const Elem<D>*>(b.untyped_data());
+}
+
+template <ffi::DataType D>
+ffi::Error RowDot(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D> w,
                   ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("row_dot takes x (M, K) and w (N, K)");
-  return Run(pool, x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[0], live);
+  return Run(pool, Data(x), Data(w), out->typed_data(), xd[0], xd[1], wd[0], live);
 }
 
 // Layer `index` of stacked weights (L, N, K), read where it lies: a slice of the stack
 // passed as an operand would be copied out of it first (a pass over the layer's weights).
-ffi::Error RowDotLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType D>
+ffi::Error RowDotLayer(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D> w,
                        ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> live,
                        ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
@@ -351,25 +472,31 @@ ffi::Error RowDotLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t layer = index.typed_data()[0];
   if (layer < 0 || layer >= wd[0])
     return ffi::Error::InvalidArgument("row_dot_layer: layer index out of range");
-  const float* weights = w.typed_data() + layer * wd[1] * wd[2];
-  return Run(pool, x.typed_data(), weights, out->typed_data(), xd[0], xd[1], wd[1], live);
+  const Elem<D>* weights = Data(w) + layer * wd[1] * wd[2];
+  return Run(pool, Data(x), weights, out->typed_data(), xd[0], xd[1], wd[1], live);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotF32, RowDot,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Whether the bfloat16 kernel runs on AVX512-BF16 here (else on its slow emulation).
+extern "C" int RowDotBf16Native() { return bf16::kNative ? 1 : 0; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotLayerF32, RowDotLayer,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define ROW_DOT_HANDLERS(SUFFIX, D)                                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDot##SUFFIX, RowDot<D>,                              \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::ThreadPool>()                             \
+                                    .Arg<ffi::Buffer<D>>()                              \
+                                    .Arg<ffi::Buffer<D>>()                              \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
+                                    .Ret<ffi::Buffer<ffi::F32>>());                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotLayer##SUFFIX, RowDotLayer<D>,                    \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::ThreadPool>()                             \
+                                    .Arg<ffi::Buffer<D>>()                              \
+                                    .Arg<ffi::Buffer<D>>()                              \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+ROW_DOT_HANDLERS(F32, ffi::F32)
+ROW_DOT_HANDLERS(Bf16, ffi::BF16)

@@ -45,6 +45,8 @@ SOURCE = Path(__file__).with_name("row_dot.cc")
 HEADER = Path(__file__).with_name("cpu_kernel.h")
 TARGET = "jax_llm_server_row_dot_f32"
 LAYER_TARGET = "jax_llm_server_row_dot_layer_f32"
+BF16_TARGET = "jax_llm_server_row_dot_bf16"
+BF16_LAYER_TARGET = "jax_llm_server_row_dot_layer_bf16"
 FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-funroll-loops", "-ffp-contract=off")
 FLAGS += ("-std=c++17", "-shared", "-fPIC", "-w")
 
@@ -135,20 +137,50 @@ def load(source: Path, targets: dict[str, str]) -> bool:
 
 def available() -> bool:
     """Whether `row_dot` can run in this process (`load`)."""
-    return load(SOURCE, {TARGET: "RowDotF32", LAYER_TARGET: "RowDotLayerF32"})
+    targets = {TARGET: "RowDotF32", LAYER_TARGET: "RowDotLayerF32"}
+    targets |= {BF16_TARGET: "RowDotBf16", BF16_LAYER_TARGET: "RowDotLayerBf16"}
+    return load(SOURCE, targets)
+
+
+def bf16_native() -> bool:
+    """Whether the bfloat16 product runs on the processor's AVX512-BF16 dot products here
+    (without them the kernel emulates the instruction, far slower than XLA's product)."""
+    with _lock:
+        if "bf16_native" not in _state:
+            try:
+                library = ctypes.cdll.LoadLibrary(str(build(kernel_dir(), SOURCE)))
+                _state["bf16_native"] = bool(library.RowDotBf16Native())
+            except (OSError, RuntimeError):
+                _state["bf16_native"] = False
+    return available() and _state["bf16_native"]
+
+
+def serves(dtype: jnp.dtype | str) -> bool:
+    """Whether the engine's products in `dtype` (rows and weights alike) go through the
+    kernel here: float32 wherever it builds, bfloat16 where it is native."""
+    name = jnp.dtype(dtype).name
+    return (name == "float32" and available()) or (name == "bfloat16" and bf16_native())
 
 
 def row_dot(
     x: jax.Array, w: jax.Array, layer: jax.Array | None = None, live: jax.Array | None = None
 ) -> jax.Array:
-    """x (M, K) float32 times w (N, K)^T float32 -> (M, N) float32; `available()` first.
+    """x (M, K) times w (N, K)^T, both float32 or both bfloat16 -> (M, N) float32;
+    `available()` first (bfloat16: `bf16_native()` for speed; the module's .cc file says
+    how each is summed).
     With `layer` (an int32 scalar), w is a stack (L, N, K) and its layer `layer` is read
     in place (a slice of it as an operand would be copied out first, every step).
     `live` (an int32 scalar): rows from it on are padding, zeros at no cost (all M rows
     are live without it)."""
+    if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(
+            f"row_dot takes float32 or bfloat16 rows and weights, got {x.dtype}, {w.dtype}"
+        )
+    bf16 = x.dtype == jnp.bfloat16
     rows = jnp.asarray(x.shape[0] if live is None else live, jnp.int32).reshape(1)
     if layer is None:
         out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-        return jax.ffi.ffi_call(TARGET, out)(x, w, rows)
+        return jax.ffi.ffi_call(BF16_TARGET if bf16 else TARGET, out)(x, w, rows)
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(LAYER_TARGET, out)(x, w, jnp.asarray(layer, jnp.int32), rows)
+    target = BF16_LAYER_TARGET if bf16 else LAYER_TARGET
+    return jax.ffi.ffi_call(target, out)(x, w, jnp.asarray(layer, jnp.int32), rows)

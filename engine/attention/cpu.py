@@ -6,9 +6,9 @@ queries (T, heads, head_dim), the layer's pages with this step's K/V written, an
 (scores and softmax in float32; padding queries give zeros). 8-bit pages are decoded
 block by block as they are read (KVLayout.decode), never as a whole cache.
 
-With float32 pages every query, decode row or prompt chunk's, runs through
+With float32 or bfloat16 pages every query, decode row or prompt chunk's, runs through
 engine.attention.cpu_kernel, reading its pages in place, each query in one fixed order
-of its own (`any_form_bits`). Otherwise (16- and 8-bit pages, or `kernel=False`), work
+of its own (`any_form_bits`). Otherwise (float16 and 8-bit pages, or `kernel=False`), work
 comes in units of fixed shape, each run by a loop whose trip count is its own live key
 blocks (an online softmax over blocks of whole pages):
 - decode groups: sequences of one query, wherever they stand in the batch, GROUP_ROWS
@@ -125,7 +125,8 @@ class CpuAttention:
         self.kernel = kernel  # where usable: engine.attention.cpu_kernel, for every row
 
     def any_form_bits(self, heads: int) -> bool:
-        """Whether every query runs through engine.attention.cpu_kernel (float32 pages):
+        """Whether every query runs through engine.attention.cpu_kernel (float32 or
+        bfloat16 pages):
         then a query's bits are the same whether its sequence runs as a decode row or
         in any chunk."""
         return self.kernel and cpu_kernel.usable(self.layout, heads)

@@ -4,7 +4,7 @@
 Owns: `query_attention`, the call, and `usable`, whether a layout and head shape can
 take it. Receives a step's queries (R, heads, head_dim) float32, each row's length (its
 query at position len - 1; 0: no row) and sequence (its row of the page table), the
-page table, and every layer's float32 pages as the engine keeps them (`KVLayout`, fold
+page table, and every layer's float32 or bfloat16 pages as the engine keeps them (`KVLayout`, fold
 1, interleaved keys and values); emits (R, heads, head_dim) float32, zeros for rows of
 length 0.
 
@@ -30,15 +30,17 @@ from engine.attention.layout import KVLayout
 
 SOURCE = Path(__file__).with_name("cpu_queries.cc")
 TARGET = "jax_llm_server_query_attention_f32"
+BF16_TARGET = "jax_llm_server_query_attention_bf16"  # bfloat16 pages, widened as read
+BITS_TARGET = "jax_llm_server_query_attention_u16"  # the same, kept as bits (KVLayout.bits)
 MAX_GROUPS = 16  # query heads per kv head the kernel takes
 MAX_HEAD_DIM = 256
 
 
 def usable(layout: KVLayout, heads: int) -> bool:
     """Whether the kernel takes this layout and head shape, and is built here: float32
-    pages, fold 1, token-major, head_dim a multiple of 8 up to 256."""
+    or bfloat16 pages, fold 1, token-major, head_dim a multiple of 8 up to 256."""
     fits = (
-        layout.dtype == "float32"
+        layout.dtype in ("float32", "bfloat16")
         and layout.fold == 1
         and not layout.head_major
         and layout.scale_lanes == 0
@@ -47,7 +49,9 @@ def usable(layout: KVLayout, heads: int) -> bool:
         and heads % layout.kv_heads == 0
         and heads // layout.kv_heads <= MAX_GROUPS
     )
-    return fits and row_dot.load(SOURCE, {TARGET: "QueryAttentionF32"})
+    targets = {TARGET: "QueryAttentionF32", BF16_TARGET: "QueryAttentionBf16"}
+    targets[BITS_TARGET] = "QueryAttentionU16"
+    return fits and row_dot.load(SOURCE, targets)
 
 
 def query_attention(
@@ -59,11 +63,13 @@ def query_attention(
     window: int | None,
 ) -> jax.Array:
     """q (R, heads, dim) float32, lens (R,) int32, seqs (R,) int32, table (S, P) int32,
-    pages (N, size, 2 * kv, dim) float32 -> (R, heads, dim) float32; `usable` first.
+    pages (N, size, 2 * kv, dim) float32, bfloat16, or bfloat16's bits as uint16 -> (R,
+    heads, dim) float32; `usable` first.
     `window`: a sliding window's width, or None."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     width = jnp.asarray([window or 0], jnp.int32)
     i32 = jnp.int32
-    return jax.ffi.ffi_call(TARGET, out)(
+    target = {jnp.bfloat16: BF16_TARGET, jnp.uint16: BITS_TARGET}.get(pages.dtype.type, TARGET)
+    return jax.ffi.ffi_call(target, out)(
         q.astype(jnp.float32), lens.astype(i32), seqs.astype(i32), table.astype(i32), pages, width
     )

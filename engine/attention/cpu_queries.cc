@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "../cpu_kernel.h"
@@ -54,6 +55,22 @@ inline Vec Floor(Vec x) {
 
 inline Vec Max(Vec a, Vec b) { return a < b ? b : a; }
 
+// 8 lanes of a page row as float32: float32 pages as they are, bfloat16 ones widened
+// (exact), so a bfloat16 row's arithmetic is the float32 kernel's on the same values.
+inline Vec LoadPage(const float* p) { return Load(p); }
+inline Vec LoadPage(const uint16_t* p) {
+#if defined(__AVX2__)
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+#else
+  IVec bits;
+  for (int i = 0; i < kLanes; ++i) bits[i] = static_cast<int32_t>(static_cast<uint32_t>(p[i]) << 16);
+  Vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+#endif
+}
+
 // exp(x) for x <= 0, a degree-5 polynomial on x - n ln 2 times 2^n (Cephes' expf, within
 // 2 ulp); below -87 it gives 0 as the softmax of a far lower score must.
 inline Vec Exp(Vec x) {
@@ -85,20 +102,21 @@ constexpr int64_t kValueSpan = 32;  // positions whose values stay in cache whil
 
 // acc[0..C) += p * v[0..C) lanes at a time, for each position; C known at compile time
 // so the accumulators live in registers.
-template <int C>
-void Weigh(Vec* acc, const float* probs, const float* const* rows, int64_t value_offset,
+template <int C, typename P>
+void Weigh(Vec* acc, const float* probs, const P* const* rows, int64_t value_offset,
            int64_t count) {
   Vec a[C];
   for (int c = 0; c < C; ++c) a[c] = acc[c];
   for (int64_t i = 0; i < count; ++i) {
     const Vec p = Splat(probs[i]);
-    const float* v = rows[i] + value_offset;
-    for (int c = 0; c < C; ++c) a[c] = Fma(p, Load(v + c * kLanes), a[c]);
+    const P* v = rows[i] + value_offset;
+    for (int c = 0; c < C; ++c) a[c] = Fma(p, LoadPage(v + c * kLanes), a[c]);
   }
   for (int c = 0; c < C; ++c) acc[c] = a[c];
 }
 
-void WeighAny(int vecs, Vec* acc, const float* probs, const float* const* rows,
+template <typename P>
+void WeighAny(int vecs, Vec* acc, const float* probs, const P* const* rows,
               int64_t value_offset, int64_t count) {
   switch (vecs) {
     case 1: return Weigh<1>(acc, probs, rows, value_offset, count);
@@ -112,18 +130,20 @@ void WeighAny(int vecs, Vec* acc, const float* probs, const float* const* rows,
   }
 }
 
+template <typename P>
 struct Scratch {
-  std::vector<const float*> at;  // the block's positions lo .. hi + kLanes: key rows
+  std::vector<const P*> at;  // the block's positions lo .. hi + kLanes: key rows
   std::vector<float> scores;     // (block rows, groups, span): scores, then probabilities
   std::vector<Vec> acc;          // (block rows, groups, dim / kLanes)
 };
 
+template <typename P>  // the pages' element: float, or bfloat16's bits
 struct Work : Claims {  // a task: one (block, kv head)
   const float* q;        // (rows, heads, dim)
   const int32_t* lens;   // (rows,): positions a row attends over (its query at len - 1), 0: none
   const int32_t* seqs;   // (rows,): the row's page table
   const int32_t* table;  // (sequences, table_width)
-  const float* pages;    // (num_pages, page_size, 2 * kv, dim): keys then values per kv head
+  const P* pages;        // (num_pages, page_size, 2 * kv, dim): keys then values per kv head
   float* out;            // (rows, heads, dim)
   int64_t rows, heads, dim, kv, page_size, table_width, sequences;
   int32_t window;  // 0: none
@@ -131,17 +151,18 @@ struct Work : Claims {  // a task: one (block, kv head)
   std::vector<int64_t> starts;  // block b: rows starts[b] .. starts[b + 1]
 
   void Run() {
-    Scratch scratch;
+    Scratch<P> scratch;
     const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
     // later blocks of a chunk see more positions: they go first
     Each([&](int64_t t) { Block(blocks - 1 - t / kv, t % kv, scratch); });
   }
 
-  static void Fetch(const float* row, int64_t count) {
-    for (int64_t d = 0; d < count; d += 16) __builtin_prefetch(row + d);  // 64-byte lines
+  static void Fetch(const P* row, int64_t count) {
+    constexpr int64_t line = 64 / sizeof(P);  // elements a 64-byte line holds
+    for (int64_t d = 0; d < count; d += line) __builtin_prefetch(row + d);
   }
 
-  void Block(int64_t b, int64_t h, Scratch& s) const {
+  void Block(int64_t b, int64_t h, Scratch<P>& s) const {
     const int64_t r0 = starts[b], n_rows = starts[b + 1] - r0;
     const int64_t groups = heads / kv, vecs = dim / kLanes;
     int64_t lo = INT64_MAX, hi = 0;
@@ -172,7 +193,7 @@ struct Work : Claims {  // a task: one (block, kv head)
 
     // scores, 8 positions at a time, every row of the block over the same key rows
     for (int64_t p0 = lo; p0 < hi; p0 += kLanes) {
-      const float* const* keys = s.at.data() + (p0 - lo);
+      const P* const* keys = s.at.data() + (p0 - lo);
       if (p0 + kLanes < hi)
         for (int64_t j = 0; j < kLanes && p0 + kLanes + j < hi; ++j) Fetch(keys[kLanes + j], dim);
       for (int64_t i = 0; i < n_rows; ++i) {
@@ -189,7 +210,7 @@ struct Work : Claims {  // a task: one (block, kv head)
           Vec acc[kLanes] = {};
           for (int64_t c = 0; c < vecs; ++c) {
             const Vec qc = Load(qg + c * kLanes);
-            for (int l = 0; l < kLanes; ++l) acc[l] = Fma(qc, Load(keys[l] + c * kLanes), acc[l]);
+            for (int l = 0; l < kLanes; ++l) acc[l] = Fma(qc, LoadPage(keys[l] + c * kLanes), acc[l]);
           }
           const Vec sc = seen ? Sums(acc) * Splat(scale) : Splat(-INFINITY);
           Store(s.scores.data() + (i * groups + g) * span + (p0 - lo), sc);
@@ -269,9 +290,10 @@ std::vector<int64_t> Blocks(const int32_t* lens, const int32_t* seqs, int64_t ro
   return starts;
 }
 
+template <ffi::DataType D>
 ffi::Error QueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                           ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> seqs,
-                          ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::F32> pages,
+                          ffi::Buffer<ffi::S32> table, ffi::Buffer<D> pages,
                           ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto td = table.dimensions();
@@ -294,12 +316,13 @@ ffi::Error QueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (lens_data[r] > 0 && (seqs_data[r] < 0 || seqs_data[r] >= td[0] ||
                              lens_data[r] > td[1] * pd[1]))
       return ffi::Error::InvalidArgument("query_attention: a row past its page table");
-  auto work = std::make_shared<Work>();
+  using P = std::conditional_t<D == ffi::F32, float, uint16_t>;
+  auto work = std::make_shared<Work<P>>();
   work->q = q.typed_data();
   work->lens = lens_data;
   work->seqs = seqs_data;
   work->table = table.typed_data();
-  work->pages = pages.typed_data();
+  work->pages = reinterpret_cast<const P*>(pages.untyped_data());
   work->out = out->typed_data();
   work->rows = qd[0];
   work->heads = qd[1];
@@ -318,13 +341,18 @@ ffi::Error QueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QueryAttentionF32, QueryAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define QUERY_ATTENTION_HANDLER(SUFFIX, D)                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(QueryAttention##SUFFIX, QueryAttention<D>,          \
+                                ffi::Ffi::Bind()                                    \
+                                    .Ctx<ffi::ThreadPool>()                         \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                   \
+                                    .Arg<ffi::Buffer<D>>()                          \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                   \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+QUERY_ATTENTION_HANDLER(F32, ffi::F32)
+QUERY_ATTENTION_HANDLER(Bf16, ffi::BF16)
+QUERY_ATTENTION_HANDLER(U16, ffi::U16)  // bfloat16 pages kept as their bits (KVLayout.bits)

@@ -53,7 +53,7 @@ class Config:
     group_rows: int = cpu.GROUP_ROWS
     tile_block_tokens: int = cpu.TILE_BLOCK_TOKENS
     decode_block_tokens: int = cpu.DECODE_BLOCK_TOKENS
-    kernel: bool = True  # float32 rows through engine.attention.cpu_kernel
+    kernel: bool = True  # float32 and bfloat16 rows through engine.attention.cpu_kernel
 
     @property
     def heads(self) -> int:
@@ -63,13 +63,28 @@ class Config:
 CONFIGS = [
     Config(4, 3, 64),  # the 100m model's heads, the default sizes
     Config(4, 2, 32, window=40, group_rows=16, kernel=False),  # 16 rows: jnp.sum varies
-    Config(1, 4, 32, dtype="bfloat16"),
+    Config(1, 4, 32, dtype="bfloat16"),  # through the kernel, widened as read
     # many tiles, groups and blocks a batch
     Config(4, 3, 64, tile_queries=16, group_rows=4, tile_block_tokens=32),
     Config(2, 4, 64, window=20, tile_queries=16, group_rows=2, tile_block_tokens=16),
-    Config(2, 2, 64, "bfloat16", 24, tile_queries=16, tile_block_tokens=32, decode_block_tokens=16),
+    Config(
+        2,
+        2,
+        64,
+        "bfloat16",
+        24,
+        tile_queries=16,
+        tile_block_tokens=32,
+        decode_block_tokens=16,
+        kernel=False,
+    ),
 ]
-BIT_CONFIGS = [*CONFIGS[:3], Config(2, 4, 64, window=20)]  # XLA's groups; the kernel twice
+# XLA's groups in float32 and bfloat16; the kernel in both
+BIT_CONFIGS = [
+    *CONFIGS[:3],
+    Config(2, 4, 64, window=20),
+    Config(1, 4, 32, "bfloat16", kernel=False),
+]
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}
 
 
@@ -285,7 +300,8 @@ def test_a_prompt_chunk_has_the_same_bits_in_any_batch(config: Config) -> None:
         assert np.array_equal(got, alone), name
 
 
-KERNEL_CONFIGS = [CONFIGS[0], Config(2, 4, 64, window=20)]  # float32: every row in the kernel
+# float32 and bfloat16 pages: every row in the kernel
+KERNEL_CONFIGS = [CONFIGS[0], Config(2, 4, 64, window=20), CONFIGS[2]]
 
 
 @pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=str)
@@ -324,11 +340,13 @@ def test_a_fully_masked_block_keeps_the_state_bit_for_bit() -> None:
         assert np.array_equal(np.asarray(before), np.asarray(after))
 
 
-def test_the_decode_kernel_serves_float32_pages_here() -> None:
-    """The suite's machines build the kernel: float32 decode rows above ran through it
-    (XLA's decode groups where `decode_kernel` is off, and for 16-bit pages)."""
+def test_the_kernel_serves_float32_and_bfloat16_pages_here() -> None:
+    """The suite's machines build the kernel: float32 and bfloat16 rows above ran through
+    it (XLA's forms where `kernel` is off, and for float16 and 8-bit pages)."""
     assert cpu_kernel.usable(layout_for(CONFIGS[0], 8), CONFIGS[0].heads)
-    assert not cpu_kernel.usable(layout_for(CONFIGS[2], 8), CONFIGS[2].heads)  # bfloat16
+    assert cpu_kernel.usable(layout_for(CONFIGS[2], 8), CONFIGS[2].heads)  # bfloat16
+    float16 = Config(1, 4, 32, dtype="float16")
+    assert not cpu_kernel.usable(layout_for(float16, 8), float16.heads)
 
 
 def test_the_backend_per_platform() -> None:

@@ -99,13 +99,40 @@ def test_the_kernel_skips_padding_rows() -> None:
         assert not got[live:].any(), live
 
 
-def test_bfloat16_rows_keep_xlas_product() -> None:
-    """The kernel is float32's: other dtypes take the reference product, same bits."""
+@pytest.mark.parametrize(("inner", "outer"), KERNEL_SHAPES)
+def test_the_bfloat16_kernel_matches_float64_with_a_rows_bits_at_every_count(
+    inner: int, outer: int
+) -> None:
+    """bfloat16 rows and weights, summed in float32: AVX512-BF16's pair products where the
+    processor has them, their emulation elsewhere (this calls the kernel either way).
+    K from 7 to 1536: tails of pairs and odd counts. Padding rows are zeros."""
+    rng = np.random.default_rng(inner + 3 * outer)
+    x = rng.standard_normal((300, inner)).astype("bfloat16")
+    w = rng.standard_normal((outer, inner)).astype("bfloat16")
+    product = jax.jit(row_dot.row_dot)
+    widest = np.asarray(product(x, w))
+    want = x.astype(np.float64) @ w.astype(np.float64).T  # the products are exact
+    np.testing.assert_allclose(widest, want, atol=1e-5 * max(1.0, np.sqrt(inner)), rtol=1e-5)
+    for rows in (1, 2, 3, 5, 8, 9, 13, 32, 100, 256):
+        assert np.array_equal(np.asarray(product(x[:rows], w)), widest[:rows]), rows
+    padded = np.asarray(product(x[:16], w, live=np.int32(5)))
+    assert np.array_equal(padded[:5], widest[:5]) and not padded[5:].any()
+
+
+def test_bfloat16_products_take_the_kernel_where_it_is_native() -> None:
+    """`project` sends bfloat16 through the kernel where the processor has AVX512-BF16
+    (XLA's product gives a row other bits at one row than at many), else XLA's."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((8, 64)).astype("bfloat16")
-    w = rng.standard_normal((32, 64)).astype("bfloat16")
-    with_kernel = jax.jit(functools.partial(project, kernel=True))(x, w)
-    assert np.array_equal(np.asarray(with_kernel), np.asarray(jax.jit(project)(x, w)))
+    x = rng.standard_normal((64, 576)).astype("bfloat16")
+    w = rng.standard_normal((960, 576)).astype("bfloat16")
+    product = jax.jit(functools.partial(project, kernel=True))
+    got = np.asarray(product(x, w).astype(np.float32))
+    if row_dot.bf16_native():
+        want = np.asarray(row_dot.row_dot(x, w).astype("bfloat16").astype(np.float32))
+        assert np.array_equal(got, want)
+        assert np.array_equal(np.asarray(product(x[:1], w).astype(np.float32)), got[:1])
+    else:
+        assert np.array_equal(got, np.asarray(jax.jit(project)(x, w).astype(np.float32)))
 
 
 def test_a_failed_build_says_why(tmp_path, monkeypatch) -> None:
@@ -137,3 +164,42 @@ def test_a_layer_of_a_stack_is_read_in_place_with_the_same_bits() -> None:
         for layer in range(3):
             got = product(x, stack, layer=np.int32(layer))
             assert np.array_equal(np.asarray(got), np.asarray(product(x, stack[layer]))), layer
+
+
+EMULATED = """
+import sys
+import jax, numpy as np
+from engine import row_dot
+row_dot.FLAGS += ("-mno-avx512bf16",)  # the build a processor without AVX512-BF16 gets
+assert row_dot.available()
+x = np.load(sys.argv[1])["x"].astype("bfloat16")
+w = np.load(sys.argv[1])["w"].astype("bfloat16")
+out = [np.asarray(jax.jit(row_dot.row_dot)(x[:m], w)) for m in (1, 9, len(x))]
+np.savez(sys.argv[2], native=np.asarray(row_dot.bf16_native()), one=out[0], nine=out[1], all=out[2])
+"""
+
+
+def test_the_bfloat16_emulation_matches(tmp_path) -> None:
+    """Where the processor lacks AVX512-BF16 the kernel emulates its pair products: built
+    here that way (in a process of its own: one library per process), it matches float64
+    and gives a row the same bits at any row count."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((20, 100)).astype(np.float32)
+    w = rng.standard_normal((50, 100)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x, w=w)
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    command = [sys.executable, "-c", EMULATED, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")]
+    subprocess.run(command, env=env, check=True, timeout=600)
+    got = np.load(tmp_path / "out.npz")
+    assert not got["native"]
+    xb = x.astype("bfloat16").astype(np.float64)
+    want = xb @ w.astype("bfloat16").astype(np.float64).T
+    np.testing.assert_allclose(got["all"], want, atol=1e-4, rtol=1e-5)
+    assert np.array_equal(got["one"], got["all"][:1]) and np.array_equal(
+        got["nine"], got["all"][:9]
+    )
