@@ -56,13 +56,17 @@ DEFAULT_LEVELS = (1, 4, 16, 32, 64)
 CACHE = Path.home() / ".cache" / "jax-llm-server-bench"
 
 
-def engine_only(model: Path, slots: int, context: int, workload: Workload, rounds: int) -> dict:
-    """bench.engine_limit in a child process (so it never shares the cores with a server)."""
+def engine_only(
+    model: Path, slots: int, context: int, workload: Workload, rounds: int, dtype: str
+) -> dict:
+    """bench.engine_limit in a child process (so it never shares the cores with a server),
+    in the dtype the servers serve."""
     argv = [
         sys.executable, "-m", "bench.engine_limit", "--model", str(model),
         "--slots", str(slots), "--max-model-len", str(context),
         "--prompt-len", str(workload.shared_prefix_tokens + workload.input_tokens.mean),
         "--steps", str(workload.output_tokens.mean), "--rounds", str(rounds),
+        "--dtype", dtype,
     ]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
@@ -411,7 +415,9 @@ def run_alternating(
             except (RuntimeError, TimeoutError) as exc:
                 out.append({"server": spec.name, "round": k, "skipped": f"did not start: {exc}"})
                 continue
-            alone = engine_only(model, args.max_slots, args.context, workload, args.engine_rounds)
+            alone = engine_only(
+                model, args.max_slots, args.context, workload, args.engine_rounds, args.dtype
+            )
             engine[spec.name].append(alone["tok_per_s"])
             print(json.dumps({"round": k, "engine_only_after": spec.name, **alone}), flush=True)
     results = [
@@ -471,7 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     engine = {
-        "before": engine_only(model, args.max_slots, args.context, workload, args.engine_rounds)
+        "before": engine_only(
+            model, args.max_slots, args.context, workload, args.engine_rounds, args.dtype
+        )
     }
     print(json.dumps({"engine_only_before": engine["before"]["tok_per_s"]}), flush=True)
     common = (served_name, workload, vocab, text_ids, levels, args.max_slots)
@@ -492,7 +500,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
         except (RuntimeError, TimeoutError) as exc:
             runs.append({"server": spec.name, "skipped": f"did not start: {exc}"})
-    engine["after"] = engine_only(model, args.max_slots, args.context, workload, args.engine_rounds)
+    engine["after"] = engine_only(
+        model, args.max_slots, args.context, workload, args.engine_rounds, args.dtype
+    )
 
     results = {
         "machine": machine(),
