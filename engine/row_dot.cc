@@ -348,10 +348,29 @@ inline Acc Dot(Acc acc, const Pairs& a, const Pairs& b) {
 inline void Put(float* p, const Acc& a) { std::memcpy(p, a.l, sizeof a.l); }
 #endif
 
-inline float Finish(const Acc& acc) {
+// Lanes l and l + 8 added: the 8 sums the lane tree takes.
+inline Vec Halves(const Acc& acc) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512DQ__)
+  return reinterpret_cast<Vec>(
+      _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)));
+#else
   alignas(64) float lanes[16];
   Put(lanes, acc);
-  return cpu_kernel::Sum(Load(lanes) + Load(lanes + 8));
+  return Load(lanes) + Load(lanes + 8);
+#endif
+}
+
+// Every output of a block: its halves through the lane tree, 8 outputs at once
+// (cpu_kernel::Sums, the same tree as cpu_kernel::Sum, which takes the rest).
+template <int N>
+inline void Finish(const Acc* acc, float* sums) {
+  Vec halves[N];
+  for (int i = 0; i < N; ++i) halves[i] = Halves(acc[i]);
+  int i = 0;
+  for (; i + cpu_kernel::kLanes <= N; i += cpu_kernel::kLanes)
+    cpu_kernel::Store(sums + i, cpu_kernel::Sums(halves + i));
+  for (; i < N; ++i) sums[i] = cpu_kernel::Sum(halves[i]);
 }
 
 // out[m, n] for rows [m0, m0 + R) and weight rows [n0, n0 + C)
@@ -378,8 +397,10 @@ inline void Block(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, 
       for (int c = 0; c < C; ++c) acc[r][c] = Dot(acc[r][c], xv, wv[c]);
     }
   }
+  float sums[R * C];
+  Finish<R * C>(&acc[0][0], sums);
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[(m0 + r) * n_total + n0 + c] = Finish(acc[r][c]);
+    for (int c = 0; c < C; ++c) out[(m0 + r) * n_total + n0 + c] = sums[r * C + c];
 }
 
 template <int R>
