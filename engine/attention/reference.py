@@ -53,11 +53,13 @@ class Attention(Protocol):
 def query_positions(t: int, batch: AttentionBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
     """For each of t queries: its sequence, its position, and whether it is real."""
     token = jnp.arange(t, dtype=jnp.int32)
-    seqs = batch.kv_lens.shape[0]
-    seq = jnp.searchsorted(batch.cu_q_lens[1:], token, side="right").astype(jnp.int32)
-    real = token < batch.cu_q_lens[batch.num_seqs[0]]
+    # as jax arrays: a batch built on the host (numpy) is indexed by traced values here
+    cu, kv_lens = jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.kv_lens)
+    seqs = kv_lens.shape[0]
+    seq = jnp.searchsorted(cu[1:], token, side="right").astype(jnp.int32)
+    real = token < cu[jnp.asarray(batch.num_seqs)[0]]
     seq = jnp.minimum(seq, seqs - 1)
-    position = batch.kv_lens[seq] - (batch.cu_q_lens[seq + 1] - token)
+    position = kv_lens[seq] - (cu[seq + 1] - token)
     return seq, position, real
 
 
