@@ -8,7 +8,8 @@
 // rows) change only which accumulators live together, never the order within one, so a
 // row's bits do not depend on the other rows in the call. Weight rows are read once a
 // call and the rows stay in cache: a few rows cost one pass over the weights (XLA:CPU's
-// products pack the weights on every call at more than one row).
+// products pack the weights on every call at more than one row). Float32 rows and
+// weights, or bfloat16 ones summed in float32 (namespace bf16 below says how).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
