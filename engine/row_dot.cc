@@ -230,20 +230,15 @@ inline void Pass8x3(const float* x, int64_t stride, const float* w0, const float
 #define HAVE_PASS8X3 1
 #endif
 
-// out[m, n] for rows [m0, m0 + R) and weight rows [n0, n0 + C), R <= kRowBlock, C <= kWeightBlock.
+// acc[r][c]: the lanes of out[m0 + r, n0 + c] over k's body (the assembly passes where
+// they exist, the same FMAs in C otherwise).
 template <int R, int C>
-inline void Block(const float* x, const float* w, float* out, int64_t m0, int64_t n0, int64_t k,
-                  int64_t n_total) {
-  Vec acc[R][C];
-  const int64_t body = k - k % kLanes;
+inline void Accumulate(const float* x, const float* w, Vec (&acc)[R][C], int64_t m0, int64_t n0,
+                       int64_t k, int64_t body) {
 #ifdef HAVE_PASS8X3
   if constexpr (R == 8 && C == 3) {
     Pass8x3(x + m0 * k, k * static_cast<int64_t>(sizeof(float)), w + n0 * k, w + (n0 + 1) * k,
             w + (n0 + 2) * k, body, reinterpret_cast<float*>(acc));
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c)
-        out[(m0 + r) * n_total + n0 + c] =
-            Finish(acc[r][c], x + (m0 + r) * k, w + (n0 + c) * k, body, k);
     return;
   }
 #endif
@@ -253,10 +248,6 @@ inline void Block(const float* x, const float* w, float* out, int64_t m0, int64_
     const float* wr = w + n0 * k;
     Pass4x3(xr, xr + k, xr + 2 * k, xr + 3 * k, wr, wr + k, wr + 2 * k, body,
             reinterpret_cast<float*>(acc));
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c)
-        out[(m0 + r) * n_total + n0 + c] =
-            Finish(acc[r][c], x + (m0 + r) * k, w + (n0 + c) * k, body, k);
     return;
   }
 #endif
@@ -270,6 +261,15 @@ inline void Block(const float* x, const float* w, float* out, int64_t m0, int64_
       for (int c = 0; c < C; ++c) acc[r][c] = Fma(xv, wv[c], acc[r][c]);
     }
   }
+}
+
+// out[m, n] for rows [m0, m0 + R) and weight rows [n0, n0 + C), R <= 8, C <= kWeightBlock.
+template <int R, int C>
+inline void Block(const float* x, const float* w, float* out, int64_t m0, int64_t n0, int64_t k,
+                  int64_t n_total) {
+  Vec acc[R][C];
+  const int64_t body = k - k % kLanes;
+  Accumulate<R, C>(x, w, acc, m0, n0, k, body);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       out[(m0 + r) * n_total + n0 + c] =
