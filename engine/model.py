@@ -173,6 +173,13 @@ def attention_inputs(
     return rope(q), rope(k), v
 
 
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up in their dtype, the SiLU computed in float32 and rounded once, as
+    transformers computes it in bfloat16 (jax.nn.silu on bfloat16 rounds after each of
+    its four ops, and XLA:CPU's loop over that chain took 1.6x the time)."""
+    return jax.nn.silu(gate.astype(F32)).astype(gate.dtype) * up
+
+
 def layer_output(
     lp: Params,
     x: jax.Array,
@@ -193,6 +200,6 @@ def layer_output(
     gate_up = _project(lp, h, "w_gate_up", cfg, lora, layer=layer, live=live)
     gate_up = gate_up.reshape(*lead, cfg.shards, -1)  # per shard gate, up
     half = cfg.intermediate_size // cfg.shards
-    gated = jax.nn.silu(gate_up[..., :half]) * gate_up[..., half:]
+    gated = swiglu(gate_up[..., :half], gate_up[..., half:])
     gated = gated.reshape(*lead, cfg.intermediate_size)
     return x + _project(lp, gated, "w_down", cfg, lora, partials, layer, live)
