@@ -4,11 +4,12 @@ Run: `python -m bench.cpu_products [--model smollm2-135m] [--rows 1,2,8,32,256]
 [--repeats 5] [--json OUT]` prints one line per (form, rows) and, with --json, writes them.
 
 Every layer's q/k/v, output, gate/up and down products of a model shape (random float32
-weights, one array per layer as the engine keeps them) in one jitted program, `rows`
-rows each: the median seconds of `repeats` calls, the weights' bytes over that time, and
-whether row 0's bits are those it has alone (the property the engine needs for a
-sequence to get the same tokens alone and in a batch). The head is left out: it is one
-more product of the same kind.
+weights, one array per layer as the engine keeps them; in bfloat16 where the processor has
+its dot products, also stacked and packed, as the engine serves them) in one jitted
+program, `rows` rows each: the median seconds of `repeats` calls, the weights' bytes over
+that time, and whether row 0's bits are those it has alone (the property the engine needs
+for a sequence to get the same tokens alone and in a batch). The head is left out: it is
+one more product of the same kind.
 """
 
 from __future__ import annotations
@@ -64,21 +65,35 @@ def measure(
     params = sum(w.size for ws in weights for w in ws)
     widest = max(k for _, k in shapes)
     x_all = jnp.asarray(rng.standard_normal((max(rows), widest), dtype=np.float32), dtype)
+    # bfloat16 where native: the layout the engine serves, each shape's layers stacked
+    # and packed (engine.paged_model.packed_products), read with the layer's index
+    stacks = [jnp.stack([ws[i] for ws in weights]) for i in range(len(shapes))]
+    forms = ["xla", "kernel"] + (["packed"] if all(map(row_dot.packs, stacks)) else [])
+    packed = [row_dot.pack(s) for s in stacks] if "packed" in forms else []
     out: list[dict[str, Any]] = []
-    for form in ("xla", "kernel"):
+    for form in forms:
 
         def step(ws: list[list[jax.Array]], x: jax.Array, kernel: bool = form == "kernel"):
             return [project(x[:, : w.shape[1]], w, kernel=kernel)[0] for lw in ws for w in lw]
 
-        program = jax.jit(step)
-        alone = [np.asarray(a) for a in program(weights, x_all[:1])]
+        def packed_step(ws: list[jax.Array], x: jax.Array) -> list[jax.Array]:
+            width = [k for _, k in shapes]
+            return [
+                project(x[:, :k], w, kernel=True, layer=jnp.int32(i))[0]
+                for i in range(layers)
+                for w, k in zip(ws, width, strict=True)
+            ]
+
+        program = jax.jit(packed_step) if form == "packed" else jax.jit(step)
+        operands = packed if form == "packed" else weights
+        alone = [np.asarray(a) for a in program(operands, x_all[:1])]
         for n in rows:
             x = x_all[:n]
-            got = jax.block_until_ready(program(weights, x))
+            got = jax.block_until_ready(program(operands, x))
             times = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                jax.block_until_ready(program(weights, x))
+                jax.block_until_ready(program(operands, x))
                 times.append(time.perf_counter() - started)
             seconds = statistics.median(times)
             same = all(np.array_equal(np.asarray(a), b) for a, b in zip(got, alone, strict=True))

@@ -53,14 +53,15 @@ def project(
     and bfloat16 ones where its bfloat16 form is native (`row_dot.serves`), whose bits
     for a row are the same at any row count from 1; XLA's product otherwise.
     `layer`: w is every layer's weight stacked (L, out, in) and this layer's is used
-    (the kernel reads it in place; XLA's product takes a copy of it).
+    (the kernel reads it in place; XLA's product takes a copy of it), or such a stack
+    `row_dot.pack`ed (engine.paged_model.packed_products), which only the kernel reads.
     `live`: rows of x from this one on are a step's padding, which the kernel skips
     (zeros); XLA's product computes every row.
     """
     rows = x.reshape(-1, x.shape[-1])
     if kernel and scale is None and rows.dtype == w.dtype and row_dot.serves(w.dtype):
         out = row_dot.row_dot(rows, w, layer, live)
-        return out.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-2])
+        return out.astype(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
     if layer is not None:
         w = lax.dynamic_index_in_dim(w, layer, keepdims=False)
     if scale is not None:
@@ -101,7 +102,7 @@ def _project(
     A weight given stacked (engine.paged_model.in_place_weights) is layer `layer`'s;
     `live` as `project` takes it."""
     w = lp[name]
-    index = layer if w.ndim == 3 else None
+    index = layer if w.ndim >= 3 else None  # stacked (packed: 4 axes)
     out = project(x, w, lp.get(name + "_scale"), partials, cfg.row_products, index, live)
     if lora is not None and "lora_a_" + name in lp:
         out = out + lora_delta(x, lp["lora_a_" + name], lp["lora_b_" + name], lora)

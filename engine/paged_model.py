@@ -12,7 +12,10 @@ Params are the checkpoint's layout (engine.checkpoint.load_params): the head is
 itself, so no transposed copy is kept. On CPU an untied head is stored hidden-major
 instead (`hidden_major_head`, chosen by engine.core.core with the other CPU layouts),
 unless engine.row_dot's kernel reads it as stored (ModelConfig.row_products, float32,
-and bfloat16 where the processor has its dot products: `row_dot.serves`).
+and bfloat16 where the processor has its dot products: `row_dot.serves`). There the
+bfloat16 layer products and head are stored packed for that kernel instead
+(`packed_products`, which the runner applies; a tied embedding is then read from the
+packed head).
 The layer math is engine.model's. Params quantized by engine.quant (int8 weights with
 `<name>_scale` beside them) go through the same functions.
 """
@@ -120,7 +123,8 @@ def head_logits(
     name = "lm_head" if "lm_head" in params else "embed"
     head, scale = params[name], params.get(name + "_scale")
     if scale is None and cfg.row_products and x.dtype == head.dtype and row_dot.serves(head.dtype):
-        return row_dot.row_dot(x, head, live=live)  # a row's bits its own at any row count
+        layer = jnp.int32(0) if head.ndim == 4 else None  # packed: a stack of one
+        return row_dot.row_dot(x, head, layer, live)  # a row's bits its own at any row count
     if scale is None:
         return lax.dot_general(x, head, (((1,), (1,)), ((), ())), preferred_element_type=F32)
     # int8 (engine.quant): each vocabulary row's scale applies to its logit
@@ -174,7 +178,8 @@ def _hidden_major(x: jax.Array, head_t: jax.Array) -> jax.Array:
 def embed_tokens(params: Params, tokens: Ints) -> jax.Array:
     """The embedding rows of `tokens` in the model's dtype (int8 rows times their scale
     when engine.quant quantized the embedding)."""
-    x = params["embed"][tokens]
+    embed = params["embed"]
+    x = row_dot.packed_rows(embed, jnp.asarray(tokens)) if embed.ndim == 4 else embed[tokens]
     scale = params.get("embed_scale")
     if scale is None:
         return x
@@ -302,6 +307,40 @@ def row_invariant_products(params: Params, cfg: ModelConfig) -> bool:
         and not any(name.startswith("lora_") for name in stacks)
         and in_place_weights(stacks, cfg) == tuple(n for n in PRODUCT_WEIGHTS if n in stacks)
     )
+
+
+def packed_products(params: Params, cfg: ModelConfig, *, consume: bool = False) -> Params:
+    """`stack_layers`' params with each stacked product weight, and the head (a stack of
+    one: the embedding when tied, which `embed_tokens` then reads packed), that
+    engine.row_dot serves packed (`row_dot.packs`: bfloat16 on the processor's dot
+    products) in its packed layout, no copy of it kept; other params as they were. Only
+    the kernel reads a packed weight, so nothing is packed without
+    ModelConfig.row_products.
+
+    `consume`: take each weight out of `params` and pack it in its own buffer, so no
+    weight is held twice (the runner's params, which nothing else keeps)."""
+    stacks = params["layers"]
+    if not cfg.row_products or not isinstance(stacks, dict):
+        return params
+    names = [n for n in PRODUCT_WEIGHTS if n in stacks and n + "_scale" not in stacks]
+    names = [n for n in names if row_dot.packs(stacks[n])]
+    head = "lm_head" if "lm_head" in params else "embed"
+    packs_head = head in params and head + "_scale" not in params and "lm_head_t" not in params
+    if packs_head:
+        one = jax.ShapeDtypeStruct((1, *params[head].shape), params[head].dtype)
+        packs_head = row_dot.packs(one)
+    if not names and not packs_head:
+        return params
+    donate = 0 if consume else ()
+    pack = jax.jit(row_dot.pack, donate_argnums=donate)
+    packed = dict(stacks)
+    for name in names:
+        packed[name] = pack(stacks.pop(name) if consume else stacks[name])
+    out = {**params, "layers": packed}
+    if packs_head:
+        pack_head = jax.jit(lambda w: row_dot.pack(w[None]), donate_argnums=donate)
+        out[head] = pack_head(params.pop(head) if consume else params[head])
+    return out
 
 
 def in_place_weights(stacks: Params, cfg: ModelConfig) -> tuple[str, ...]:

@@ -9,7 +9,9 @@
 // row's bits do not depend on the other rows in the call. Weight rows are read once a
 // call and the rows stay in cache: a few rows cost one pass over the weights (XLA:CPU's
 // products pack the weights on every call at more than one row). Float32 rows and
-// weights, or bfloat16 ones summed in float32 (namespace bf16 below says how).
+// weights, or bfloat16 ones summed in float32 (namespace bf16 below says how), or
+// bfloat16 weights packed once at load for broadcast rows (namespace packed: one lane
+// an output, the engine's bfloat16 layers and head where AVX512-BF16 is native).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -425,6 +427,89 @@ void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t m, int64_t 
   for (; m0 < m; ++m0) bf16::Rows<1>(x, w, out, m0, k, n_total, from, to);
 }
 
+// bfloat16 weights packed for broadcast rows (engine.row_dot.pack): w (NB, K / 2, 16, 2),
+// vector b holding outputs 16 b .. 16 b + 15, lane o of step j the pair (2 j, 2 j + 1) of
+// output 16 b + o's weight row. A step broadcasts a row's pair j to every lane and adds
+// its products with the 16 outputs' pairs (VDPBF16PS, as bf16::Dot), so an output's sum
+// runs over j in order from zero in one lane: no lane tree to finish, 16 outputs stored
+// at once (the lane form's per-output tree and stores cost it a third of its time at
+// K = 576, bench/README "Packed bfloat16 weights"). Blocking and threading again choose
+// only which accumulators live together: a row's bits are the same at any row count.
+namespace packed {
+
+constexpr int64_t kOutputs = 16;     // outputs a vector holds
+constexpr int64_t kTaskVectors = 3;  // 48 outputs a task, in L2 across row blocks
+
+// A row's pair (p[0], p[1]) in every lane.
+inline bf16::Pairs Broadcast(const uint16_t* p) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  uint32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return reinterpret_cast<bf16::Pairs>(_mm512_set1_epi32(static_cast<int>(pair)));
+#else
+  bf16::Pairs r;
+  for (int l = 0; l < 16; ++l) {
+    r.v[2 * l] = p[0];
+    r.v[2 * l + 1] = p[1];
+  }
+  return r;
+#endif
+}
+
+// out[m, 16 b + o] for rows [m0, m0 + R) and vectors [b0, b0 + C)
+template <int R, int C>
+inline void Block(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t b0,
+                  int64_t k, int64_t n_total) {
+  const int64_t pairs = k / 2;
+  bf16::Acc acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = bf16::Zero();
+  for (int64_t j = 0; j < pairs; ++j) {
+    bf16::Pairs wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = bf16::Ld(w + ((b0 + c) * pairs + j) * 2 * kOutputs);
+    for (int r = 0; r < R; ++r) {
+      const bf16::Pairs xv = Broadcast(x + (m0 + r) * k + 2 * j);
+      for (int c = 0; c < C; ++c) acc[r][c] = bf16::Dot(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) bf16::Put(out + (m0 + r) * n_total + (b0 + c) * kOutputs, acc[r][c]);
+}
+
+template <int R>
+void Rows(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t k,
+          int64_t n_total, int64_t from, int64_t to) {
+  int64_t b = from;
+  for (; b + kTaskVectors <= to; b += kTaskVectors)
+    Block<R, kTaskVectors>(x, w, out, m0, b, k, n_total);
+  for (; b < to; ++b) Block<R, 1>(x, w, out, m0, b, k, n_total);
+}
+
+// Every row against vectors [from, to): 8 rows a pass (24 accumulators), then 4, then 1.
+void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t m, int64_t k,
+           int64_t n_total, int64_t from, int64_t to) {
+  int64_t m0 = 0;
+  for (; m0 + 8 <= m; m0 += 8) Rows<8>(x, w, out, m0, k, n_total, from, to);
+  for (; m0 + 4 <= m; m0 += 4) Rows<4>(x, w, out, m0, k, n_total, from, to);
+  for (; m0 < m; ++m0) Rows<1>(x, w, out, m0, k, n_total, from, to);
+}
+
+struct Work : Claims {
+  const uint16_t* x;
+  const uint16_t* w;
+  float* out;
+  int64_t m, k, n;
+
+  void Run() {
+    Each([this](int64_t t) {
+      const int64_t from = t * kTaskVectors;
+      Range(x, w, out, m, k, n, from, std::min(n / kOutputs, from + kTaskVectors));
+    });
+  }
+};
+
+}  // namespace packed
+
 // A task is a block of weight rows against every row.
 template <typename T>
 struct Work : Claims {
@@ -498,6 +583,38 @@ ffi::Error RowDotLayer(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D> w,
   return Run(pool, Data(x), weights, out->typed_data(), xd[0], xd[1], wd[1], live);
 }
 
+// Layer `index` of packed bfloat16 weights (L, N / 16, K / 2, 32) (engine.row_dot.pack)
+// against x (M, K): out (M, N), rows from `live` on zeros at no cost.
+ffi::Error RowDotPackedLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                             ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> index,
+                             ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || index.element_count() != 1 ||
+      live.element_count() != 1 || xd[1] % 2 != 0 || wd[2] != xd[1] / 2 ||
+      wd[3] != 2 * packed::kOutputs || od[0] != xd[0] || od[1] != wd[1] * packed::kOutputs)
+    return ffi::Error::InvalidArgument(
+        "row_dot_packed takes x (M, K), w (L, N / 16, K / 2, 32), index (), live (1,)");
+  const int64_t layer = index.typed_data()[0];
+  if (layer < 0 || layer >= wd[0])
+    return ffi::Error::InvalidArgument("row_dot_packed: layer index out of range");
+  const int64_t m = xd[0], k = xd[1], n = od[1];
+  const int64_t rows = std::clamp<int64_t>(live.typed_data()[0], 0, m);
+  float* o = out->typed_data();
+  std::fill(o + rows * n, o + m * n, 0.0f);
+  auto work = std::make_shared<packed::Work>();
+  work->x = Data(x);
+  work->w = Data(w) + layer * wd[1] * wd[2] * wd[3];
+  work->out = o;
+  work->m = rows;
+  work->k = k;
+  work->n = n;
+  work->tasks = (wd[1] + packed::kTaskVectors - 1) / packed::kTaskVectors;
+  cpu_kernel::RunOnPool(pool, work);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Whether the bfloat16 kernel runs on AVX512-BF16 here (else on its slow emulation).
@@ -522,3 +639,12 @@ extern "C" int RowDotBf16Native() { return bf16::kNative ? 1 : 0; }
 
 ROW_DOT_HANDLERS(F32, ffi::F32)
 ROW_DOT_HANDLERS(Bf16, ffi::BF16)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotPackedLayerBf16, RowDotPackedLayer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

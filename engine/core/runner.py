@@ -42,6 +42,7 @@ from engine.paged_model import (
     forward,
     head_logits,
     make_batch,
+    packed_products,
     row_invariant_products,
     stack_layers,
 )
@@ -220,7 +221,7 @@ class Runner:
         max_num_batched_tokens: int,
         eos_token_ids: Sequence[int] = (),
     ) -> None:
-        self.params = stack_layers(params, consume=True)
+        self.params = packed_products(stack_layers(params, consume=True), cfg, consume=True)
         self.cfg = cfg
         self.layout = layout
         self.mesh = mesh

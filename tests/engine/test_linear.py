@@ -135,6 +135,48 @@ def test_bfloat16_products_take_the_kernel_where_it_is_native() -> None:
         assert np.array_equal(got, np.asarray(jax.jit(project)(x, w).astype(np.float32)))
 
 
+PACKED_SHAPES = [(2, 16), (64, 48), (100, 80), (576, 960), (1536, 576)]  # (K, N)
+
+
+@pytest.mark.parametrize(("inner", "outer"), PACKED_SHAPES)
+def test_packed_bfloat16_weights_match_float64_with_a_rows_bits_at_every_count(
+    inner: int, outer: int
+) -> None:
+    """A stack packed for broadcast rows (row_dot.pack): each layer read in place matches
+    float64, a row has the same bits at every row count (8-, 4- and 1-row passes and
+    their mixes) and padding rows are zeros. This calls the kernel on the processor's
+    dot products or their emulation."""
+    rng = np.random.default_rng(inner + 5 * outer)
+    x = rng.standard_normal((300, inner)).astype("bfloat16")
+    stack = rng.standard_normal((2, outer, inner)).astype("bfloat16")
+    packed = row_dot.pack(jax.numpy.asarray(stack))
+    assert packed.shape == (2, outer // 16, inner // 2, 32)
+    product = jax.jit(row_dot.row_dot)
+    for layer in range(2):
+        index = np.int32(layer)
+        widest = np.asarray(product(x, packed, index))
+        want = x.astype(np.float64) @ stack[layer].astype(np.float64).T  # exact products
+        np.testing.assert_allclose(widest, want, atol=1e-5 * max(1.0, np.sqrt(inner)), rtol=1e-5)
+        for rows in (1, 3, 4, 5, 8, 9, 13, 100):
+            assert np.array_equal(np.asarray(product(x[:rows], packed, index)), widest[:rows])
+        padded = np.asarray(product(x[:16], packed, index, np.int32(5)))
+        assert np.array_equal(padded[:5], widest[:5]) and not padded[5:].any()
+
+
+def test_packs_takes_native_bfloat16_stacks_in_whole_vectors_and_pairs() -> None:
+    """Packed weights need the processor's pair products (else XLA's bfloat16 product
+    serves), 16 outputs to a vector and K in pairs; other weights keep the lane form."""
+    native = row_dot.bf16_native()
+    stack = jax.numpy.zeros((2, 32, 64), "bfloat16")
+    assert row_dot.packs(stack) == native
+    assert not row_dot.packs(stack.astype("float32"))
+    assert not row_dot.packs(jax.numpy.zeros((2, 40, 64), "bfloat16"))  # 40 % 16
+    assert not row_dot.packs(jax.numpy.zeros((2, 32, 63), "bfloat16"))  # odd K
+    assert not row_dot.packs(stack[0])  # a stack's layers, read with their index
+    with pytest.raises(TypeError, match="layer index"):
+        row_dot.row_dot(jax.numpy.zeros((1, 64), "bfloat16"), row_dot.pack(stack))
+
+
 def test_a_failed_build_says_why(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match="failed"):
@@ -175,7 +217,12 @@ assert row_dot.available()
 x = np.load(sys.argv[1])["x"].astype("bfloat16")
 w = np.load(sys.argv[1])["w"].astype("bfloat16")
 out = [np.asarray(jax.jit(row_dot.row_dot)(x[:m], w)) for m in (1, 9, len(x))]
-np.savez(sys.argv[2], native=np.asarray(row_dot.bf16_native()), one=out[0], nine=out[1], all=out[2])
+packed = row_dot.pack(jax.numpy.asarray(w[:48])[None])
+at = [np.asarray(jax.jit(row_dot.row_dot)(x[:m], packed, np.int32(0))) for m in (1, 9, len(x))]
+np.savez(
+    sys.argv[2], native=np.asarray(row_dot.bf16_native()), one=out[0], nine=out[1], all=out[2],
+    packed_one=at[0], packed_nine=at[1], packed_all=at[2],
+)
 """
 
 
@@ -203,3 +250,7 @@ def test_the_bfloat16_emulation_matches(tmp_path) -> None:
     assert np.array_equal(got["one"], got["all"][:1]) and np.array_equal(
         got["nine"], got["all"][:9]
     )
+    # the packed form's emulation (48 of the weight rows: whole vectors of 16)
+    np.testing.assert_allclose(got["packed_all"], want[:, :48], atol=1e-4, rtol=1e-5)
+    assert np.array_equal(got["packed_one"], got["packed_all"][:1])
+    assert np.array_equal(got["packed_nine"], got["packed_all"][:9])

@@ -1,6 +1,6 @@
 """engine.paged_model: the decoder over paged KV in ragged steps gives each position the
 logits of transformers' forward pass over the whole prompt, whatever the steps' mix of
-prompt chunks and decode rows."""
+prompt chunks and decode rows; the head's layouts, and the packed product weights."""
 
 from __future__ import annotations
 
@@ -12,16 +12,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine import row_dot
 from engine.attention import KVLayout, ReferenceAttention
 from engine.checkpoint import load_params
 from engine.config import load_model_config
 from engine.paged_model import (
     HEAD_MAX_ROWS,
+    PRODUCT_WEIGHTS,
     Chunk,
+    embed_tokens,
     forward,
     head_logits,
     hidden_major_head,
     make_batch,
+    packed_products,
+    row_invariant_products,
     stack_layers,
 )
 from engine.quant import quantize_params
@@ -160,3 +165,57 @@ def test_hidden_major_head_gives_a_row_the_same_bits_in_any_number_of_rows(
         for j, i in enumerate((0, 2, 31, 32, 63, 127)):
             if i < rows:
                 np.testing.assert_array_equal(got[i], alone[j], err_msg=f"row {i} of {rows}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied"])
+def test_packed_products_pack_what_the_kernel_reads(tiny_checkpoint_of, arch: str) -> None:
+    """bfloat16 layer stacks and the head go packed where the kernel's pair products are
+    native (each the `row_dot.pack` of its stack, the originals taken with `consume`); a
+    tied embedding is read from its packed head as stored; the step stays row-invariant
+    and its output and logits within bfloat16 rounding of the lane form's. Without
+    ModelConfig.row_products nothing is packed (only the kernel reads them)."""
+    folder = tiny_checkpoint_of(arch)
+    cfg = replace(load_model_config(folder), row_products=row_dot.available())
+    params = stack_layers(jax.device_put(load_params(folder, cfg, "bfloat16")))
+    assert packed_products(params, replace(cfg, row_products=False)) is params
+    native = row_dot.bf16_native() and cfg.row_products
+    packed = packed_products(params, cfg)
+    for name in PRODUCT_WEIGHTS:
+        got, stack = packed["layers"][name], params["layers"][name]
+        assert got.ndim == (4 if native else 3), name
+        if native:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(row_dot.pack(stack)))
+    head = "embed" if cfg.tie_word_embeddings else "lm_head"
+    assert packed[head].ndim == (4 if native else 2)
+    if not native:
+        return
+    np.testing.assert_array_equal(
+        np.asarray(packed[head][0]), np.asarray(row_dot.pack(params[head][None])[0])
+    )
+    ids = np.array([0, 3, 17, cfg.vocab_size - 1], np.int32)
+    assert np.array_equal(
+        np.asarray(embed_tokens(packed, ids)), np.asarray(embed_tokens(params, ids))
+    )
+    assert row_invariant_products(packed, cfg)
+    layout = KVLayout(
+        num_pages=8, page_size=PAGE, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        dtype="bfloat16",
+    )  # fmt: skip
+    stacked = layout.stacked(cfg.num_layers)
+    step = jax.jit(functools.partial(forward, cfg=cfg, attention=ReferenceAttention(stacked)))
+    prompt = np.random.default_rng(4).integers(0, cfg.vocab_size, 20).tolist()
+    batch = make_batch(
+        [Chunk(prompt, 0, [3, 1, 6])], tokens=32, seqs=2, pages_per_seq=4, page_size=PAGE,
+        num_pages=layout.num_pages,
+    )  # fmt: skip
+    inv_freq = cfg.rope_inv_freq()
+    assert row_dot.PACKED_TARGET in step.lower(packed, stacked.empty(), batch, inv_freq).as_text()
+    x_lanes, _ = step(params, stacked.empty(), batch, inv_freq)
+    x_packed, _ = step(packed, stacked.empty(), batch, inv_freq)
+    lanes, ours = (np.asarray(x[: len(prompt)], np.float32) for x in (x_lanes, x_packed))
+    np.testing.assert_allclose(ours, lanes, rtol=0.05, atol=0.05)
+    logits = [np.asarray(head_logits(p, x_lanes[:4], cfg)) for p in (params, packed)]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    consumed = {**params, "layers": dict(params["layers"])}
+    packed_products(consumed, cfg, consume=True)
+    assert not set(PRODUCT_WEIGHTS) & set(consumed["layers"]) and head not in consumed
