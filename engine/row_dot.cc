@@ -432,7 +432,7 @@ void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t m, int64_t 
 // output 16 b + o's weight row. A step broadcasts a row's pair j to every lane and adds
 // its products with the 16 outputs' pairs (VDPBF16PS, as bf16::Dot), so an output's sum
 // runs over j in order from zero in one lane: no lane tree to finish, 16 outputs stored
-// at once (the lane form's per-output tree and stores cost it a third of its time at
+// at once (the lane form's fixed cost per block of outputs was a quarter of its time at
 // K = 576, bench/README "Packed bfloat16 weights"). Blocking and threading again choose
 // only which accumulators live together: a row's bits are the same at any row count.
 namespace packed {
