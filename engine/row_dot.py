@@ -24,8 +24,8 @@ float32). The kernel's bfloat16 form uses AVX512-BF16's pair products where the 
 has them (`bf16_native`), at half float32's bytes and twice its products an instruction.
 There, the engine stores its bfloat16 layer weights and head `pack`ed (16 outputs' k
 pairs side by side, engine.paged_model.packed_products): a row's k pair is broadcast to
-16 outputs at once, each summing in one lane, with no tree to finish an output, ~1.4x the
-lane form's speed at 8-128 rows and ~1.8x at one.
+16 outputs at once, each summing in one lane, with no tree to finish an output: SmolLM2's
+layer products 1.1-1.8x faster than the lane form's at 1-128 rows (bench/README).
 
 `available()` says whether the kernel can run here (a C++ compiler and XLA's FFI headers
 from jaxlib, on a CPU backend); where it cannot, the model keeps XLA's product (the
