@@ -494,55 +494,57 @@ void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t m, int64_t 
   for (; m0 < m; ++m0) Rows<1>(x, w, out, m0, k, n_total, from, to);
 }
 
-struct Work : Claims {
-  const uint16_t* x;
-  const uint16_t* w;
-  float* out;
-  int64_t m, k, n;
-
-  void Run() {
-    Each([this](int64_t t) {
-      const int64_t from = t * kTaskVectors;
-      Range(x, w, out, m, k, n, from, std::min(n / kOutputs, from + kTaskVectors));
-    });
-  }
-};
-
 }  // namespace packed
 
-// A task is a block of weight rows against every row.
+// Every row against weight units [from, to) (weight rows, or packed vectors of 16).
+template <typename T>
+using RangeFn = void (*)(const T*, const T*, float*, int64_t, int64_t, int64_t, int64_t,
+                         int64_t);
+
+// How a form splits its weights into tasks: `per_task` of its `units` a task.
+template <typename T>
+struct Tiling {
+  RangeFn<T> range;
+  int64_t per_task;
+  int64_t units;
+};
+
+// A task is a block of weight units against every row.
 template <typename T>
 struct Work : Claims {
   const T* x;
   const T* w;
   float* out;
   int64_t m, k, n;
+  Tiling<T> tiling;
 
   void Run() {
     Each([this](int64_t t) {
-      const int64_t from = t * kTaskWeightRows;
-      Range(x, w, out, m, k, n, from, std::min(n, from + kTaskWeightRows));
+      const int64_t from = t * tiling.per_task;
+      tiling.range(x, w, out, m, k, n, from, std::min(tiling.units, from + tiling.per_task));
     });
   }
 };
 
 // Rows from `live` on are padding (a step's bucket past its tokens): their outputs are
-// zeros, and they cost nothing (a row's products never involve another row).
+// zeros, and they cost nothing (a row's products never involve another row). The lane
+// forms' units are weight rows; `tiling` gives another form's.
 template <typename T>
 ffi::Error Run(ffi::ThreadPool& pool, const T* x, const T* w, float* out, int64_t m, int64_t k,
-               int64_t n, const ffi::Buffer<ffi::S32>& live) {
+               int64_t n, const ffi::Buffer<ffi::S32>& live, Tiling<T> tiling = {}) {
   if (live.element_count() != 1) return ffi::Error::InvalidArgument("row_dot: live is one int");
+  if (tiling.range == nullptr) tiling = {Range, kTaskWeightRows, n};
   const int64_t rows = std::clamp<int64_t>(live.typed_data()[0], 0, m);
   std::fill(out + rows * n, out + m * n, 0.0f);
-  m = rows;
   auto work = std::make_shared<Work<T>>();
   work->x = x;
   work->w = w;
   work->out = out;
-  work->m = m;
+  work->m = rows;
   work->k = k;
   work->n = n;
-  work->tasks = (n + kTaskWeightRows - 1) / kTaskWeightRows;
+  work->tiling = tiling;
+  work->tasks = (tiling.units + tiling.per_task - 1) / tiling.per_task;
   cpu_kernel::RunOnPool(pool, work);
   return ffi::Error::Success();
 }
@@ -592,27 +594,16 @@ ffi::Error RowDotPackedLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   const auto wd = w.dimensions();
   const auto od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || index.element_count() != 1 ||
-      live.element_count() != 1 || xd[1] % 2 != 0 || wd[2] != xd[1] / 2 ||
-      wd[3] != 2 * packed::kOutputs || od[0] != xd[0] || od[1] != wd[1] * packed::kOutputs)
+      xd[1] % 2 != 0 || wd[2] != xd[1] / 2 || wd[3] != 2 * packed::kOutputs ||
+      od[0] != xd[0] || od[1] != wd[1] * packed::kOutputs)
     return ffi::Error::InvalidArgument(
         "row_dot_packed takes x (M, K), w (L, N / 16, K / 2, 32), index (), live (1,)");
   const int64_t layer = index.typed_data()[0];
   if (layer < 0 || layer >= wd[0])
     return ffi::Error::InvalidArgument("row_dot_packed: layer index out of range");
-  const int64_t m = xd[0], k = xd[1], n = od[1];
-  const int64_t rows = std::clamp<int64_t>(live.typed_data()[0], 0, m);
-  float* o = out->typed_data();
-  std::fill(o + rows * n, o + m * n, 0.0f);
-  auto work = std::make_shared<packed::Work>();
-  work->x = Data(x);
-  work->w = Data(w) + layer * wd[1] * wd[2] * wd[3];
-  work->out = o;
-  work->m = rows;
-  work->k = k;
-  work->n = n;
-  work->tasks = (wd[1] + packed::kTaskVectors - 1) / packed::kTaskVectors;
-  cpu_kernel::RunOnPool(pool, work);
-  return ffi::Error::Success();
+  const uint16_t* weights = Data(w) + layer * wd[1] * wd[2] * wd[3];
+  const Tiling<uint16_t> vectors{packed::Range, packed::kTaskVectors, wd[1]};
+  return Run(pool, Data(x), weights, out->typed_data(), xd[0], xd[1], od[1], live, vectors);
 }
 
 }  // namespace
