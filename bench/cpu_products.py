@@ -4,8 +4,8 @@ Run: `python -m bench.cpu_products [--model smollm2-135m] [--rows 1,2,8,32,256]
 [--repeats 5] [--json OUT]` prints one line per (form, rows) and, with --json, writes them.
 
 Every layer's q/k/v, output, gate/up and down products of a model shape (random float32
-weights, one array per layer as the engine keeps them; in bfloat16 where the processor has
-its dot products, also stacked and packed, as the engine serves them) in one jitted
+weights, one array per layer; also stacked and packed, as the engine serves them in
+float32, and in bfloat16 where the processor has its dot products) in one jitted
 program, `rows` rows each: the median seconds of `repeats` calls, the weights' bytes over
 that time, and whether row 0's bits are those it has alone (the property the engine needs
 for a sequence to get the same tokens alone and in a batch). The head is left out: it is
@@ -65,7 +65,7 @@ def measure(
     params = sum(w.size for ws in weights for w in ws)
     widest = max(k for _, k in shapes)
     x_all = jnp.asarray(rng.standard_normal((max(rows), widest), dtype=np.float32), dtype)
-    # bfloat16 where native: the layout the engine serves, each shape's layers stacked
+    # the layout the engine serves (row_dot.packs), each shape's layers stacked
     # and packed (engine.paged_model.packed_products), read with the layer's index
     stacks = [jnp.stack([ws[i] for ws in weights]) for i in range(len(shapes))]
     forms = ["xla", "kernel"] + (["packed"] if all(map(row_dot.packs, stacks)) else [])

@@ -13,7 +13,7 @@ itself, so no transposed copy is kept. On CPU an untied head is stored hidden-ma
 instead (`hidden_major_head`, chosen by engine.core.core with the other CPU layouts),
 unless engine.row_dot's kernel reads it as stored (ModelConfig.row_products, float32,
 and bfloat16 where the processor has its dot products: `row_dot.serves`). There the
-bfloat16 layer products and head are stored packed for that kernel instead
+layer products and head are stored packed for that kernel instead
 (`packed_products`, which the runner applies; a tied embedding is then read from the
 packed head).
 The layer math is engine.model's. Params quantized by engine.quant (int8 weights with
@@ -312,9 +312,9 @@ def row_invariant_products(params: Params, cfg: ModelConfig) -> bool:
 def packed_products(params: Params, cfg: ModelConfig, *, consume: bool = False) -> Params:
     """`stack_layers`' params with each stacked product weight, and the head (a stack of
     one: the embedding when tied, which `embed_tokens` then reads packed), that
-    engine.row_dot serves packed (`row_dot.packs`: bfloat16 on the processor's dot
-    products) in its packed layout, no copy of it kept; other params as they were. Only
-    the kernel reads a packed weight, so nothing is packed without
+    engine.row_dot serves packed (`row_dot.packs`: float32, and bfloat16 on the
+    processor's dot products) in its packed layout, no copy of it kept; other params as
+    they were. Only the kernel reads a packed weight, so nothing is packed without
     ModelConfig.row_products.
 
     `consume`: take each weight out of `params` and pack it in its own buffer, so no

@@ -10,8 +10,8 @@
 // call and the rows stay in cache: a few rows cost one pass over the weights (XLA:CPU's
 // products pack the weights on every call at more than one row). Float32 rows and
 // weights, or bfloat16 ones summed in float32 (namespace bf16 below says how), or
-// bfloat16 weights packed once at load for broadcast rows (namespace packed: one lane
-// an output, the engine's bfloat16 layers and head where AVX512-BF16 is native).
+// weights packed once at load for broadcast rows (namespace packed: one lane an output,
+// the engine's layers and head in float32, and in bfloat16 where AVX512-BF16 is native).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -427,71 +427,124 @@ void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t m, int64_t 
   for (; m0 < m; ++m0) bf16::Rows<1>(x, w, out, m0, k, n_total, from, to);
 }
 
-// bfloat16 weights packed for broadcast rows (engine.row_dot.pack): w (NB, K / 2, 16, 2),
-// vector b holding outputs 16 b .. 16 b + 15, lane o of step j the pair (2 j, 2 j + 1) of
-// output 16 b + o's weight row. A step broadcasts a row's pair j to every lane and adds
-// its products with the 16 outputs' pairs (VDPBF16PS, as bf16::Dot), so an output's sum
-// runs over j in order from zero in one lane: no lane tree to finish, 16 outputs stored
-// at once (the lane form's fixed cost per block of outputs was a quarter of its time at
-// K = 576, bench/README "Packed bfloat16 weights"). Blocking and threading again choose
-// only which accumulators live together: a row's bits are the same at any row count.
+// Weights packed once at load for broadcast rows (engine.row_dot.pack), 16 outputs a
+// vector: float32 w (NB, K, 16), lane o of step j output 16 b + o's w[., j]; bfloat16 w
+// (NB, K / 2, 32), lane o of step j the pair (2 j, 2 j + 1) of output 16 b + o. A step
+// broadcasts a row's value (float32) or pair (bfloat16) to every lane and adds its
+// products with the 16 outputs' (a fused multiply-add; VDPBF16PS, as bf16::Dot), so an
+// output's sum runs over k in order from zero in one lane: no lane tree to finish, 16
+// outputs stored at once (the lane forms' fixed cost per block of outputs was a quarter
+// of their time at K = 576, bench/README "Packed bfloat16 weights"). Blocking and threading again
+// choose only which accumulators live together: a row's bits are the same at any row
+// count, and float32's the same on every processor (a lane's chain of FMAs in k order).
 namespace packed {
 
 constexpr int64_t kOutputs = 16;     // outputs a vector holds
 constexpr int64_t kTaskVectors = 3;  // 48 outputs a task, in L2 across row blocks
 
-// A row's pair (p[0], p[1]) in every lane.
-inline bf16::Pairs Broadcast(const uint16_t* p) {
+// bfloat16: a step takes a row's k pair.
+struct Bf16 {
+  using T = uint16_t;
+  using Acc = bf16::Acc;
+  using Step = bf16::Pairs;
+  static constexpr int64_t kPer = 2;       // k a step takes
+  static constexpr int kRows = 8;          // rows a pass: 24 accumulators of 32 registers
+  static constexpr int kVectors = 3;       // vectors a pass
+  static Acc Zero() { return bf16::Zero(); }
+  static Step Ld(const T* p) { return bf16::Ld(p); }
+  static Step Broadcast(const T* p) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-  uint32_t pair;
-  std::memcpy(&pair, p, sizeof pair);
-  return reinterpret_cast<bf16::Pairs>(_mm512_set1_epi32(static_cast<int>(pair)));
+    uint32_t pair;
+    std::memcpy(&pair, p, sizeof pair);
+    return reinterpret_cast<Step>(_mm512_set1_epi32(static_cast<int>(pair)));
 #else
-  bf16::Pairs r;
-  for (int l = 0; l < 16; ++l) {
-    r.v[2 * l] = p[0];
-    r.v[2 * l + 1] = p[1];
-  }
-  return r;
+    Step r;
+    for (int l = 0; l < 16; ++l) {
+      r.v[2 * l] = p[0];
+      r.v[2 * l + 1] = p[1];
+    }
+    return r;
 #endif
-}
+  }
+  static Acc Dot(Acc acc, const Step& x, const Step& w) { return bf16::Dot(acc, x, w); }
+  static void Put(float* p, const Acc& a) { bf16::Put(p, a); }
+};
+
+// float32: a step takes one k, x[k] * w + acc rounded once in each lane.
+struct F32 {
+  using T = float;
+  static constexpr int64_t kPer = 1;
+#if defined(__AVX512F__)
+  using Acc = __m512;
+  using Step = __m512;
+  static constexpr int kRows = 8;
+  static constexpr int kVectors = 3;
+  static Acc Zero() { return _mm512_setzero_ps(); }
+  static Step Ld(const T* p) { return _mm512_loadu_ps(p); }
+  static Step Broadcast(const T* p) { return _mm512_set1_ps(*p); }
+  static Acc Dot(Acc acc, Step x, Step w) { return _mm512_fmadd_ps(x, w, acc); }
+  static void Put(float* p, Acc a) { _mm512_storeu_ps(p, a); }
+#else  // two 8-lane halves (AVX2's registers, cpu_kernel::Fma)
+  struct Acc { Vec lo, hi; };
+  using Step = Acc;
+  static constexpr int kRows = 4;    // 8 accumulators, 2 weight halves, a row value: of 16
+  static constexpr int kVectors = 1;
+  static Acc Zero() { return Acc{}; }
+  static Step Ld(const T* p) { return Acc{Load(p), Load(p + kLanes)}; }
+  static Step Broadcast(const T* p) {
+    Vec v;
+    for (int l = 0; l < kLanes; ++l) v[l] = *p;
+    return Acc{v, v};
+  }
+  static Acc Dot(Acc acc, const Step& x, const Step& w) {
+    return Acc{Fma(x.lo, w.lo, acc.lo), Fma(x.hi, w.hi, acc.hi)};
+  }
+  static void Put(float* p, const Acc& a) {
+    cpu_kernel::Store(p, a.lo);
+    cpu_kernel::Store(p + kLanes, a.hi);
+  }
+#endif
+};
 
 // out[m, 16 b + o] for rows [m0, m0 + R) and vectors [b0, b0 + C)
-template <int R, int C>
-inline void Block(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t b0,
-                  int64_t k, int64_t n_total) {
-  const int64_t pairs = k / 2;
-  bf16::Acc acc[R][C];
+template <typename F, int R, int C>
+inline void Block(const typename F::T* x, const typename F::T* w, float* out, int64_t m0,
+                  int64_t b0, int64_t k, int64_t n_total) {
+  const int64_t steps = k / F::kPer;
+  const int64_t width = kOutputs * F::kPer;  // a vector's values a step
+  typename F::Acc acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = bf16::Zero();
-  for (int64_t j = 0; j < pairs; ++j) {
-    bf16::Pairs wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = bf16::Ld(w + ((b0 + c) * pairs + j) * 2 * kOutputs);
+    for (int c = 0; c < C; ++c) acc[r][c] = F::Zero();
+  for (int64_t j = 0; j < steps; ++j) {
+    typename F::Step wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = F::Ld(w + ((b0 + c) * steps + j) * width);
     for (int r = 0; r < R; ++r) {
-      const bf16::Pairs xv = Broadcast(x + (m0 + r) * k + 2 * j);
-      for (int c = 0; c < C; ++c) acc[r][c] = bf16::Dot(acc[r][c], xv, wv[c]);
+      const typename F::Step xv = F::Broadcast(x + (m0 + r) * k + F::kPer * j);
+      for (int c = 0; c < C; ++c) acc[r][c] = F::Dot(acc[r][c], xv, wv[c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) bf16::Put(out + (m0 + r) * n_total + (b0 + c) * kOutputs, acc[r][c]);
+    for (int c = 0; c < C; ++c) F::Put(out + (m0 + r) * n_total + (b0 + c) * kOutputs, acc[r][c]);
 }
 
-template <int R>
-void Rows(const uint16_t* x, const uint16_t* w, float* out, int64_t m0, int64_t k,
+template <typename F, int R>
+void Rows(const typename F::T* x, const typename F::T* w, float* out, int64_t m0, int64_t k,
           int64_t n_total, int64_t from, int64_t to) {
   int64_t b = from;
-  for (; b + kTaskVectors <= to; b += kTaskVectors)
-    Block<R, kTaskVectors>(x, w, out, m0, b, k, n_total);
-  for (; b < to; ++b) Block<R, 1>(x, w, out, m0, b, k, n_total);
+  for (; b + F::kVectors <= to; b += F::kVectors)
+    Block<F, R, F::kVectors>(x, w, out, m0, b, k, n_total);
+  for (; b < to; ++b) Block<F, R, 1>(x, w, out, m0, b, k, n_total);
 }
 
-// Every row against vectors [from, to): 8 rows a pass (24 accumulators), then 4, then 1.
-void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t m, int64_t k,
+// Every row against vectors [from, to): F::kRows rows a pass, then 4, then 1.
+template <typename F>
+void Range(const typename F::T* x, const typename F::T* w, float* out, int64_t m, int64_t k,
            int64_t n_total, int64_t from, int64_t to) {
   int64_t m0 = 0;
-  for (; m0 + 8 <= m; m0 += 8) Rows<8>(x, w, out, m0, k, n_total, from, to);
-  for (; m0 + 4 <= m; m0 += 4) Rows<4>(x, w, out, m0, k, n_total, from, to);
-  for (; m0 < m; ++m0) Rows<1>(x, w, out, m0, k, n_total, from, to);
+  for (; m0 + F::kRows <= m; m0 += F::kRows) Rows<F, F::kRows>(x, w, out, m0, k, n_total, from, to);
+  if constexpr (F::kRows > 4)
+    for (; m0 + 4 <= m; m0 += 4) Rows<F, 4>(x, w, out, m0, k, n_total, from, to);
+  for (; m0 < m; ++m0) Rows<F, 1>(x, w, out, m0, k, n_total, from, to);
 }
 
 }  // namespace packed
@@ -585,24 +638,31 @@ ffi::Error RowDotLayer(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D> w,
   return Run(pool, Data(x), weights, out->typed_data(), xd[0], xd[1], wd[1], live);
 }
 
-// Layer `index` of packed bfloat16 weights (L, N / 16, K / 2, 32) (engine.row_dot.pack)
-// against x (M, K): out (M, N), rows from `live` on zeros at no cost.
-ffi::Error RowDotPackedLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                             ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> index,
-                             ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
+// The packed form of an element type: float32's or bfloat16's.
+template <ffi::DataType D>
+using PackedForm = std::conditional_t<D == ffi::F32, packed::F32, packed::Bf16>;
+
+// Layer `index` of packed weights (L, N / 16, K / P, 16 P) (engine.row_dot.pack; P = 1
+// for float32, 2 for bfloat16) against x (M, K): out (M, N), rows from `live` on zeros
+// at no cost.
+template <ffi::DataType D>
+ffi::Error RowDotPackedLayer(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D> w,
+                             ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> live,
+                             ffi::ResultBuffer<ffi::F32> out) {
+  using F = PackedForm<D>;
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || index.element_count() != 1 ||
-      xd[1] % 2 != 0 || wd[2] != xd[1] / 2 || wd[3] != 2 * packed::kOutputs ||
+      xd[1] % F::kPer != 0 || wd[2] != xd[1] / F::kPer || wd[3] != F::kPer * packed::kOutputs ||
       od[0] != xd[0] || od[1] != wd[1] * packed::kOutputs)
     return ffi::Error::InvalidArgument(
-        "row_dot_packed takes x (M, K), w (L, N / 16, K / 2, 32), index (), live (1,)");
+        "row_dot_packed takes x (M, K), w (L, N / 16, K / P, 16 P), index (), live (1,)");
   const int64_t layer = index.typed_data()[0];
   if (layer < 0 || layer >= wd[0])
     return ffi::Error::InvalidArgument("row_dot_packed: layer index out of range");
-  const uint16_t* weights = Data(w) + layer * wd[1] * wd[2] * wd[3];
-  const Tiling<uint16_t> vectors{packed::Range, packed::kTaskVectors, wd[1]};
+  const Elem<D>* weights = Data(w) + layer * wd[1] * wd[2] * wd[3];
+  const Tiling<Elem<D>> vectors{packed::Range<F>, packed::kTaskVectors, wd[1]};
   return Run(pool, Data(x), weights, out->typed_data(), xd[0], xd[1], od[1], live, vectors);
 }
 
@@ -626,16 +686,15 @@ extern "C" int RowDotBf16Native() { return bf16::kNative ? 1 : 0; }
                                     .Arg<ffi::Buffer<D>>()                              \
                                     .Arg<ffi::Buffer<ffi::S32>>()                       \
                                     .Arg<ffi::Buffer<ffi::S32>>()                       \
+                                    .Ret<ffi::Buffer<ffi::F32>>());                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotPackedLayer##SUFFIX, RowDotPackedLayer<D>,        \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::ThreadPool>()                             \
+                                    .Arg<ffi::Buffer<D>>()                              \
+                                    .Arg<ffi::Buffer<D>>()                              \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
 ROW_DOT_HANDLERS(F32, ffi::F32)
 ROW_DOT_HANDLERS(Bf16, ffi::BF16)
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotPackedLayerBf16, RowDotPackedLayer,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -4,9 +4,9 @@ bfloat16, summed in float32.
 Owns: building the engine's C++ kernels into shared libraries (`load`: once per source,
 jaxlib and processor; kept in the kernel cache folder) and registering them with XLA as
 FFI targets (this module's engine/row_dot.cc; engine.attention.cpu_kernel's too), and
-`row_dot`, the call, with `pack` (the packed bfloat16 layout) and `packed_rows`. Receives
+`row_dot`, the call, with `pack` (the packed layout) and `packed_rows`. Receives
 rows and weights as the checkpoint stores them (out, in), both float32 or both bfloat16,
-or bfloat16 weights packed; emits float32 (M, N).
+or weights packed; emits float32 (M, N).
 
 Why: XLA:CPU's own product takes other kernels by row count. One row goes through a
 matrix-vector kernel that reads the weights once; two or more through a blocked product
@@ -22,10 +22,12 @@ bfloat16: XLA:CPU's product of one bfloat16 row ran at ~1 GB/s of weights here (
 for SmolLM2's layers against 15 ms in float32: a bfloat16 model decoded 4-12x slower than
 float32). The kernel's bfloat16 form uses AVX512-BF16's pair products where the processor
 has them (`bf16_native`), at half float32's bytes and twice its products an instruction.
-There, the engine stores its bfloat16 layer weights and head `pack`ed (16 outputs' k
-pairs side by side, engine.paged_model.packed_products): a row's k pair is broadcast to
-16 outputs at once, each summing in one lane, with no tree to finish an output: SmolLM2's
-layer products 1.1-1.8x faster than the lane form's at 1-128 rows (bench/README).
+There, and in float32 wherever the kernel runs, the engine stores its layer weights and
+head `pack`ed (16 outputs' k values, or k pairs, side by side,
+engine.paged_model.packed_products): a row's value is broadcast to 16 outputs at once,
+each summing in one lane, with no tree to finish an output: SmolLM2's layer products
+1.1-1.8x faster than the lane form's at 1-128 rows in bfloat16, 1.2-2.2x in float32
+(bench/README).
 
 `available()` says whether the kernel can run here (a C++ compiler and XLA's FFI headers
 from jaxlib, on a CPU backend); where it cannot, the model keeps XLA's product (the
@@ -59,7 +61,8 @@ TARGET = "jax_llm_server_row_dot_f32"
 LAYER_TARGET = "jax_llm_server_row_dot_layer_f32"
 BF16_TARGET = "jax_llm_server_row_dot_bf16"
 BF16_LAYER_TARGET = "jax_llm_server_row_dot_layer_bf16"
-PACKED_TARGET = "jax_llm_server_row_dot_packed_bf16"
+PACKED_TARGET = "jax_llm_server_row_dot_packed_f32"
+BF16_PACKED_TARGET = "jax_llm_server_row_dot_packed_bf16"
 PACKED_OUTPUTS = 16  # outputs a packed vector holds (the .cc file's packed::kOutputs)
 FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-funroll-loops", "-ffp-contract=off")
 FLAGS += ("-std=c++17", "-shared", "-fPIC", "-w")
@@ -153,7 +156,8 @@ def available() -> bool:
     """Whether `row_dot` can run in this process (`load`)."""
     targets = {TARGET: "RowDotF32", LAYER_TARGET: "RowDotLayerF32"}
     targets |= {BF16_TARGET: "RowDotBf16", BF16_LAYER_TARGET: "RowDotLayerBf16"}
-    targets |= {PACKED_TARGET: "RowDotPackedLayerBf16"}
+    targets |= {PACKED_TARGET: "RowDotPackedLayerF32"}
+    targets |= {BF16_PACKED_TARGET: "RowDotPackedLayerBf16"}
     return load(SOURCE, targets)
 
 
@@ -178,34 +182,42 @@ def serves(dtype: jnp.dtype | str) -> bool:
 
 
 def packs(w: jax.Array | jax.ShapeDtypeStruct) -> bool:
-    """Whether stacked weights w (L, N, K) are served `pack`ed here: bfloat16 on the
-    processor's dot products (`bf16_native`), 16 outputs to a vector (N % 16 == 0) and K
-    in pairs (even). The packed form's step holds 16 outputs of one row, where the lane
-    form's holds 32 k of one output: it runs at ~1.4x the lane form's speed at K = 576
-    (bench/README, "Packed bfloat16 weights")."""
-    return (
-        len(w.shape) == 3
-        and w.dtype == jnp.bfloat16
-        and w.shape[1] % PACKED_OUTPUTS == 0
-        and w.shape[2] % 2 == 0
-        and bf16_native()
-    )
+    """Whether stacked weights w (L, N, K) are served `pack`ed here: float32 wherever the
+    kernel runs, bfloat16 on the processor's dot products (`bf16_native`, K in pairs);
+    16 outputs to a vector (N % 16 == 0). The packed form's step holds 16 outputs of one
+    row, where the lane form's holds a vector of k of one output: bfloat16 runs at ~1.4x
+    the lane form's speed at K = 576 (bench/README, "Packed bfloat16 weights")."""
+    if len(w.shape) != 3 or w.shape[1] % PACKED_OUTPUTS != 0:
+        return False
+    if w.dtype == jnp.float32:
+        return available()
+    return w.dtype == jnp.bfloat16 and w.shape[2] % 2 == 0 and bf16_native()
+
+
+def _per_step(dtype: jnp.dtype) -> int:
+    """k a packed step takes: the values in 32 bits (1 float32, a bfloat16 pair)."""
+    return 4 // jnp.dtype(dtype).itemsize
 
 
 def pack(w: jax.Array) -> jax.Array:
-    """Stacked weights (L, N, K) in the packed kernel's layout (L, N / 16, K / 2, 32): per
-    16 outputs, each k pair's 16 (w[n, 2 j], w[n, 2 j + 1]) side by side (`packs` first)."""
+    """Stacked weights (L, N, K) in the packed kernel's layout (L, N / 16, K / P, 16 P),
+    P = 1 for float32 and 2 for bfloat16: per 16 outputs, each step's 16 (w[n, P j], ...,
+    w[n, P j + P - 1]) side by side (`packs` first)."""
     layers, n, k = w.shape
-    blocks = w.reshape(layers, n // PACKED_OUTPUTS, PACKED_OUTPUTS, k // 2, 2)
-    return blocks.transpose(0, 1, 3, 2, 4).reshape(layers, n // PACKED_OUTPUTS, k // 2, 32)
+    per = _per_step(w.dtype)
+    blocks = w.reshape(layers, n // PACKED_OUTPUTS, PACKED_OUTPUTS, k // per, per)
+    return blocks.transpose(0, 1, 3, 2, 4).reshape(
+        layers, n // PACKED_OUTPUTS, k // per, PACKED_OUTPUTS * per
+    )
 
 
 def packed_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     """Rows `ids` of the first layer of a `pack`ed stack, as stored before packing (T, K):
     a tied embedding read from its packed head."""
-    blocks = w[0].reshape(w.shape[1], w.shape[2], PACKED_OUTPUTS, 2)
-    rows = blocks[ids // PACKED_OUTPUTS, :, ids % PACKED_OUTPUTS, :]  # (T, K / 2, 2)
-    return rows.reshape(*ids.shape, 2 * w.shape[2])
+    per = _per_step(w.dtype)
+    blocks = w[0].reshape(w.shape[1], w.shape[2], PACKED_OUTPUTS, per)
+    rows = blocks[ids // PACKED_OUTPUTS, :, ids % PACKED_OUTPUTS, :]  # (T, K / P, P)
+    return rows.reshape(*ids.shape, per * w.shape[2])
 
 
 def row_dot(
@@ -226,10 +238,11 @@ def row_dot(
     bf16 = x.dtype == jnp.bfloat16
     rows = jnp.asarray(x.shape[0] if live is None else live, jnp.int32).reshape(1)
     if w.ndim == 4:
-        if layer is None or not bf16:
-            raise TypeError("packed weights are bfloat16 stacks, read with a layer index")
+        if layer is None:
+            raise TypeError("packed weights are stacks, read with a layer index")
         out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1] * PACKED_OUTPUTS), jnp.float32)
-        return jax.ffi.ffi_call(PACKED_TARGET, out)(x, w, jnp.asarray(layer, jnp.int32), rows)
+        target = BF16_PACKED_TARGET if bf16 else PACKED_TARGET
+        return jax.ffi.ffi_call(target, out)(x, w, jnp.asarray(layer, jnp.int32), rows)
     if layer is None:
         out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
         return jax.ffi.ffi_call(BF16_TARGET if bf16 else TARGET, out)(x, w, rows)

@@ -135,22 +135,27 @@ def test_bfloat16_products_take_the_kernel_where_it_is_native() -> None:
         assert np.array_equal(got, np.asarray(jax.jit(project)(x, w).astype(np.float32)))
 
 
-PACKED_SHAPES = [(2, 16), (64, 48), (100, 80), (576, 960), (1536, 576)]  # (K, N)
+PACKED_SHAPES = [(2, 16), (3, 32), (64, 48), (100, 80), (576, 960), (1536, 576)]  # (K, N)
 
 
 @pytest.mark.parametrize(("inner", "outer"), PACKED_SHAPES)
-def test_packed_bfloat16_weights_match_float64_with_a_rows_bits_at_every_count(
-    inner: int, outer: int
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_match_float64_with_a_rows_bits_at_every_count(
+    inner: int, outer: int, dtype: str
 ) -> None:
     """A stack packed for broadcast rows (row_dot.pack): each layer read in place matches
     float64, a row has the same bits at every row count (8-, 4- and 1-row passes and
-    their mixes) and padding rows are zeros. This calls the kernel on the processor's
-    dot products or their emulation."""
+    their mixes) and padding rows are zeros. float32 is each output's chain of fused
+    multiply-adds in k order from zero, bit for bit; bfloat16 runs on the processor's dot
+    products or their emulation."""
+    if dtype == "bfloat16" and inner % 2:
+        pytest.skip("bfloat16 packs K in pairs")
     rng = np.random.default_rng(inner + 5 * outer)
-    x = rng.standard_normal((300, inner)).astype("bfloat16")
-    stack = rng.standard_normal((2, outer, inner)).astype("bfloat16")
+    x = rng.standard_normal((300, inner)).astype(dtype)
+    stack = rng.standard_normal((2, outer, inner)).astype(dtype)
     packed = row_dot.pack(jax.numpy.asarray(stack))
-    assert packed.shape == (2, outer // 16, inner // 2, 32)
+    per = 1 if dtype == "float32" else 2
+    assert packed.shape == (2, outer // 16, inner // per, 16 * per)
     product = jax.jit(row_dot.row_dot)
     for layer in range(2):
         index = np.int32(layer)
@@ -161,18 +166,27 @@ def test_packed_bfloat16_weights_match_float64_with_a_rows_bits_at_every_count(
             assert np.array_equal(np.asarray(product(x[:rows], packed, index)), widest[:rows])
         padded = np.asarray(product(x[:16], packed, index, np.int32(5)))
         assert np.array_equal(padded[:5], widest[:5]) and not padded[5:].any()
+    if dtype == "float32":  # fma(x, w, acc): the exact product and sum, rounded once
+        acc = np.zeros((5, outer), np.float32)
+        for k in range(inner):
+            exact = x[:5, k : k + 1].astype(np.float64) * stack[1][:, k].astype(np.float64)
+            acc = (acc + exact).astype(np.float32)
+        assert np.array_equal(acc, widest[:5])
 
 
-def test_packs_takes_native_bfloat16_stacks_in_whole_vectors_and_pairs() -> None:
-    """Packed weights need the processor's pair products (else XLA's bfloat16 product
-    serves), 16 outputs to a vector and K in pairs; other weights keep the lane form."""
-    native = row_dot.bf16_native()
+def test_packs_takes_float32_and_native_bfloat16_stacks_in_whole_vectors() -> None:
+    """Packed weights take 16 outputs to a vector; bfloat16 needs the processor's pair
+    products (else XLA's bfloat16 product serves) and K in pairs; other weights keep the
+    lane form."""
     stack = jax.numpy.zeros((2, 32, 64), "bfloat16")
-    assert row_dot.packs(stack) == native
-    assert not row_dot.packs(stack.astype("float32"))
+    assert row_dot.packs(stack) == row_dot.bf16_native()
+    assert row_dot.packs(stack.astype("float32")) == row_dot.available()
+    assert row_dot.packs(jax.numpy.zeros((2, 32, 63), "float32")) == row_dot.available()
     assert not row_dot.packs(jax.numpy.zeros((2, 40, 64), "bfloat16"))  # 40 % 16
+    assert not row_dot.packs(jax.numpy.zeros((2, 40, 64), "float32"))
     assert not row_dot.packs(jax.numpy.zeros((2, 32, 63), "bfloat16"))  # odd K
     assert not row_dot.packs(stack[0])  # a stack's layers, read with their index
+    assert not row_dot.packs(jax.numpy.zeros((2, 32, 64), "float16"))
     with pytest.raises(TypeError, match="layer index"):
         row_dot.row_dot(jax.numpy.zeros((1, 64), "bfloat16"), row_dot.pack(stack))
 
@@ -212,24 +226,27 @@ EMULATED = """
 import sys
 import jax, numpy as np
 from engine import row_dot
-row_dot.FLAGS += ("-mno-avx512bf16",)  # the build a processor without AVX512-BF16 gets
+row_dot.FLAGS += ("-mno-avx512f",)  # the build a processor without AVX-512 gets
 assert row_dot.available()
-x = np.load(sys.argv[1])["x"].astype("bfloat16")
-w = np.load(sys.argv[1])["w"].astype("bfloat16")
-out = [np.asarray(jax.jit(row_dot.row_dot)(x[:m], w)) for m in (1, 9, len(x))]
+x32, w32 = np.load(sys.argv[1])["x"], np.load(sys.argv[1])["w"]
+x, w = x32.astype("bfloat16"), w32.astype("bfloat16")
+product = jax.jit(row_dot.row_dot)
+out = [np.asarray(product(x[:m], w)) for m in (1, 9, len(x))]
 packed = row_dot.pack(jax.numpy.asarray(w[:48])[None])
-at = [np.asarray(jax.jit(row_dot.row_dot)(x[:m], packed, np.int32(0))) for m in (1, 9, len(x))]
+at = [np.asarray(product(x[:m], packed, np.int32(0))) for m in (1, 9, len(x))]
 np.savez(
     sys.argv[2], native=np.asarray(row_dot.bf16_native()), one=out[0], nine=out[1], all=out[2],
-    packed_one=at[0], packed_nine=at[1], packed_all=at[2],
+    packed_one=at[0], packed_nine=at[1], packed_all=at[2], f32=np.asarray(product(x32, w32)),
+    f32_packed=np.asarray(product(x32, row_dot.pack(jax.numpy.asarray(w32[:48])[None]), 0)),
 )
 """
 
 
-def test_the_bfloat16_emulation_matches(tmp_path) -> None:
-    """Where the processor lacks AVX512-BF16 the kernel emulates its pair products: built
-    here that way (in a process of its own: one library per process), it matches float64
-    and gives a row the same bits at any row count."""
+def test_without_avx512_bfloat16_is_emulated_and_float32_keeps_its_bits(tmp_path) -> None:
+    """Where the processor lacks AVX-512 (so AVX512-BF16) the kernel emulates bfloat16's
+    pair products: built here that way (in a process of its own: one library per
+    process), it matches float64 and gives a row the same bits at any row count. Its
+    float32 forms, lane and packed, give the bits this process's build gives."""
     import os
     import subprocess
     import sys
@@ -254,3 +271,8 @@ def test_the_bfloat16_emulation_matches(tmp_path) -> None:
     np.testing.assert_allclose(got["packed_all"], want[:, :48], atol=1e-4, rtol=1e-5)
     assert np.array_equal(got["packed_one"], got["packed_all"][:1])
     assert np.array_equal(got["packed_nine"], got["packed_all"][:9])
+    # float32: the same fused multiply-adds in the same order, 8 or 16 lanes to a register
+    product = jax.jit(row_dot.row_dot)
+    assert np.array_equal(got["f32"], np.asarray(product(x, w)))
+    packed = row_dot.pack(jax.numpy.asarray(w[:48])[None])
+    assert np.array_equal(got["f32_packed"], np.asarray(product(x, packed, np.int32(0))))

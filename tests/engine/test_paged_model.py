@@ -168,17 +168,21 @@ def test_hidden_major_head_gives_a_row_the_same_bits_in_any_number_of_rows(
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama_tied"])
-def test_packed_products_pack_what_the_kernel_reads(tiny_checkpoint_of, arch: str) -> None:
-    """bfloat16 layer stacks and the head go packed where the kernel's pair products are
-    native (each the `row_dot.pack` of its stack, the originals taken with `consume`); a
-    tied embedding is read from its packed head as stored; the step stays row-invariant
-    and its output and logits within bfloat16 rounding of the lane form's. Without
-    ModelConfig.row_products nothing is packed (only the kernel reads them)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_products_pack_what_the_kernel_reads(
+    tiny_checkpoint_of, arch: str, dtype: str
+) -> None:
+    """float32 layer stacks and the head go packed wherever the kernel runs, bfloat16 ones
+    where its pair products are native (each the `row_dot.pack` of its stack, the
+    originals taken with `consume`); a tied embedding is read from its packed head as
+    stored; the step stays row-invariant and its output and logits within rounding of
+    the lane form's. Without ModelConfig.row_products nothing is packed (only the kernel
+    reads them)."""
     folder = tiny_checkpoint_of(arch)
     cfg = replace(load_model_config(folder), row_products=row_dot.available())
-    params = stack_layers(jax.device_put(load_params(folder, cfg, "bfloat16")))
+    params = stack_layers(jax.device_put(load_params(folder, cfg, dtype)))
     assert packed_products(params, replace(cfg, row_products=False)) is params
-    native = row_dot.bf16_native() and cfg.row_products
+    native = cfg.row_products and (dtype == "float32" or row_dot.bf16_native())
     packed = packed_products(params, cfg)
     for name in PRODUCT_WEIGHTS:
         got, stack = packed["layers"][name], params["layers"][name]
@@ -199,7 +203,7 @@ def test_packed_products_pack_what_the_kernel_reads(tiny_checkpoint_of, arch: st
     assert row_invariant_products(packed, cfg)
     layout = KVLayout(
         num_pages=8, page_size=PAGE, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        dtype="bfloat16",
+        dtype=dtype,
     )  # fmt: skip
     stacked = layout.stacked(cfg.num_layers)
     step = jax.jit(functools.partial(forward, cfg=cfg, attention=ReferenceAttention(stacked)))
@@ -209,11 +213,13 @@ def test_packed_products_pack_what_the_kernel_reads(tiny_checkpoint_of, arch: st
         num_pages=layout.num_pages,
     )  # fmt: skip
     inv_freq = cfg.rope_inv_freq()
-    assert row_dot.PACKED_TARGET in step.lower(packed, stacked.empty(), batch, inv_freq).as_text()
+    target = row_dot.PACKED_TARGET if dtype == "float32" else row_dot.BF16_PACKED_TARGET
+    assert target in step.lower(packed, stacked.empty(), batch, inv_freq).as_text()
     x_lanes, _ = step(params, stacked.empty(), batch, inv_freq)
     x_packed, _ = step(packed, stacked.empty(), batch, inv_freq)
     lanes, ours = (np.asarray(x[: len(prompt)], np.float32) for x in (x_lanes, x_packed))
-    np.testing.assert_allclose(ours, lanes, rtol=0.05, atol=0.05)
+    tol = 1e-4 if dtype == "float32" else 0.05  # another summation order's rounding
+    np.testing.assert_allclose(ours, lanes, rtol=tol, atol=tol)
     logits = [np.asarray(head_logits(p, x_lanes[:4], cfg)) for p in (params, packed)]
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     consumed = {**params, "layers": dict(params["layers"])}
