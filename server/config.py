@@ -47,9 +47,12 @@ class ServerConfig:
     # per KV page.
     max_num_seqs: int = 8
     max_num_batched_tokens: int | None = None  # None: prefill_chunk + max_num_seqs
-    # a multiple of page_size (rounded down to one); None: the backend's (256; TPU 512,
-    # engine.core.core.CHUNK_SIZE)
+    # a multiple of page_size (rounded down to one); None: the backend's (CPU 128, TPU
+    # 1024: engine.core.defaults)
     prefill_chunk: int | None = None
+    # per prompt chunk in a step with decode rows, where the attention backend allows it;
+    # None: the backend's (CPU 32, engine.core.defaults)
+    prefill_chunk_beside_decode: int | None = None
     page_size: int = 16
     prefix_caching: bool = True  # prompts share cached leading pages (vLLM's default)
     async_scheduling: bool = True  # the core plans step N + 1 while step N runs
@@ -131,11 +134,12 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.prefill_chunk is not None and self.prefill_chunk < self.page_size:
-            raise ValueError(
-                f"prefill_chunk must be at least page_size ({self.page_size}), "
-                f"got {self.prefill_chunk}"
-            )
+        for name in ("prefill_chunk", "prefill_chunk_beside_decode"):
+            chunk = getattr(self, name)
+            if chunk is not None and chunk < self.page_size:
+                raise ValueError(
+                    f"{name} must be at least page_size ({self.page_size}), got {chunk}"
+                )
         budget = self.kv_cache_memory_bytes
         if budget is not None and budget < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {budget}")
@@ -202,6 +206,7 @@ class ServerConfig:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.batched_tokens,
             chunk_size=self.prefill_chunk,
+            decode_chunk_size=self.prefill_chunk_beside_decode,
             page_size=self.page_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             memory_utilization=self.gpu_memory_utilization,
@@ -347,7 +352,12 @@ _FLAGS: dict[str, tuple[object, str]] = {
     ),
     "prefill_chunk": (
         int,
-        "prompt positions one step computes of a prompt (page multiple; default 256, TPU 512)",
+        "prompt positions one step computes of a prompt (page multiple; default CPU 128, TPU 1024)",
+    ),
+    "prefill_chunk_beside_decode": (
+        int,
+        "prompt positions per chunk in a step with decode rows, where the attention "
+        "backend gives a query the same bits in any chunk (page multiple; default CPU 32)",
     ),
     "page_size": (int, "positions per KV page"),
     "prefix_caching": (_switch, "share prompts' cached leading pages (default on)"),

@@ -56,6 +56,9 @@ class CoreConfig:
     max_model_len: int | None = None  # None: the model's, at most DEFAULT_MAX_MODEL_LEN
     max_num_batched_tokens: int | None = 256  # None: a chunk + every row
     chunk_size: int | None = 128  # prompt positions per chunk; None: the backend's
+    # per chunk in a step with decode rows (where any chunk keeps a query's bits); None:
+    # the backend's (engine.core.defaults), at most chunk_size
+    decode_chunk_size: int | None = None
     max_prefill_seqs: int = 4  # prompt chunks per step
     page_size: int | None = 16  # None: the backend's (engine.core.defaults)
     num_pages: int | None = None  # or from kv_cache_memory_bytes / the devices
@@ -90,7 +93,10 @@ class CoreConfig:
             )
         if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give at most one of num_pages and kv_cache_memory_bytes")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "page_size"):
+        for name in (
+            "max_num_seqs", "max_num_batched_tokens", "chunk_size", "decode_chunk_size",
+            "page_size",
+        ):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -171,6 +177,9 @@ class SchedulerConfig:
     # decode row or in any chunk (Attention.any_form_bits): a prefix hit may then end
     # anywhere, one position short of the prompt too
     any_form_hits: bool = False
+    # prompt positions per chunk in a step with decode rows (0: chunk_size); a chunk then
+    # begins wherever the last one ended, so only with any_form_hits
+    decode_chunk_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "chunk_size"):
@@ -183,6 +192,13 @@ class SchedulerConfig:
             )
         if self.max_prefill_seqs < 0:
             raise ValueError(f"max_prefill_seqs must be >= 0, got {self.max_prefill_seqs}")
+        if not 0 <= self.decode_chunk_size <= self.chunk_size:
+            raise ValueError(
+                f"decode_chunk_size must be in [0, chunk_size {self.chunk_size}], "
+                f"got {self.decode_chunk_size}"
+            )
+        if self.decode_chunk_size not in (0, self.chunk_size) and not self.any_form_hits:
+            raise ValueError("a smaller chunk beside decode rows needs any_form_hits")
         if self.prefill_only and self.speculative is not None:
             raise ValueError("a prefill-only scheduler does not speculate")
         if self.max_prefill_seqs == 0:

@@ -140,6 +140,11 @@ class EngineCore:
             choice=config.attention,
         )
         self.attention = attention
+        any_form = attention.any_form_bits(cfg.num_heads)
+        decode_chunk = config.decode_chunk_size or defaults.decode_chunk_size or chunk
+        decode_chunk = max(page_size, min(decode_chunk, chunk))
+        decode_chunk -= decode_chunk % page_size
+        self.decode_chunk_size = decode_chunk if any_form else chunk
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -151,7 +156,8 @@ class EngineCore:
                 speculative=spec,
                 prefill_only=config.prefill_only,
                 max_loras=config.max_loras,
-                any_form_hits=attention.any_form_bits(cfg.num_heads),
+                any_form_hits=any_form,
+                decode_chunk_size=self.decode_chunk_size,
             ),
             pool,
             self.draft,

@@ -17,6 +17,9 @@ class BackendDefaults:
     page_size: int  # positions per KV page
     memory_utilization: float  # of each device's memory for params + KV (vLLM's default 0.9)
     source: str  # where the figures come from
+    # prompt positions per chunk in a step that has decode rows, where the attention
+    # backend lets a chunk begin anywhere (engine.core.scheduler); None: chunk_size
+    decode_chunk_size: int | None = None
     # GPU: the share of the device jax's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION,
     # set by engine.xla_flags before jax starts; jax's own default is 0.75). The engine
     # sizes its pages from what that allocator reports, so memory_utilization is a share
@@ -30,7 +33,12 @@ BACKEND_DEFAULTS = {
     # Served against vLLM on 2 cores, chunks of 128 against 256 (3 rounds): first tokens
     # 0.60-0.68x as late at c = 8 and 32 and the inter-token p99 0.69-0.71x, output tok/s
     # level (bench/README.md, "Prompt rows in the kernel").
-    "cpu": BackendDefaults(128, 16, 0.9, 'bench/README.md, "Prompt rows in the kernel"'),
+    # Beside decode rows, chunks of 32: a running stream waits one 32-row step, not a
+    # 128-row one, for a new prompt (inter-token p99 at c = 8 166 -> 71 ms, first tokens
+    # 441 -> 270 ms, one round; bench/README.md, "Smaller chunks beside decode rows").
+    "cpu": BackendDefaults(
+        128, 16, 0.9, 'bench/README.md, "Prompt rows in the kernel"', decode_chunk_size=32
+    ),
     # A TPU step reads every weight once per chunk: a 1,024-token prompt's roofline time
     # over one pass over the weights and its K/V, the 8B at TP 4 on v6e compiled as the
     # server compiles it: 1.72x in chunks of 512, 1.09x in one chunk of 1,024 (the 1B

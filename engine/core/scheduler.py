@@ -14,7 +14,10 @@ whose adapter waits for a pool slot), as far as `max_num_batched_tokens` and
 `max_prefill_seqs` go. A prompt is computed in chunks of `chunk_size` positions aligned from
 position 0 (a prefix-cache hit skips whole pages; the chunk after it ends on the same
 boundary a fresh prompt's would), so decode rows are never stalled for more than one chunk's
-worth of tokens. Out of pages, the sequence admitted last is preempted: its pages and row
+worth of tokens; in a step with decode rows, chunks of `decode_chunk_size` where the
+attention backend gives a query the same bits in any chunk (`any_form_hits`), so a running
+stream waits a small step, not a whole chunk's, for each prompt that arrives. Out of
+pages, the sequence admitted last is preempted: its pages and row
 are released and it waits at the front of the queue, to be computed again from its prompt
 and the tokens it has (vLLM's recompute policy; the prompt in its chunks, each token it had
 as a decode row again, so no bit changes): a client never sees it.
@@ -195,10 +198,14 @@ class Scheduler:
             work.append(self._work(seq, 1, carry=carries[id(seq)] if seq.owed else -1))
             planned.append(seq)
             budget -= 1
+        # beside decode rows a smaller chunk, so a running stream waits less for a prompt
+        size = self.config.chunk_size
+        if work and self.config.decode_chunk_size:
+            size = self.config.decode_chunk_size
         for seq in [s for s in self.running if s.next_position < min(len(s.prompt), s.length - 1)]:
             if seq not in self.running:
                 continue  # preempted by an older prompt of this step
-            n = self._chunk(seq)
+            n = self._chunk(seq, size)
             if chunks == 0 or n > budget:
                 break
             if not self._reserve(seq, seq.next_position + n, preempt):
@@ -215,7 +222,7 @@ class Scheduler:
                 break  # none, or each one's adapter waits for a pool slot
             seq = waiting
             self._match(seq)
-            n = self._chunk(seq)
+            n = self._chunk(seq, size)
             if n > budget or not self._reserve(seq, seq.computed + n, None):
                 self._unmatch(seq)
                 break
@@ -394,11 +401,12 @@ class Scheduler:
         """allowed_token_ids' mask (every token when it has none)."""
         return token_bitmask(seq.sampling.allowed_token_ids, self.config.vocab_size)
 
-    def _chunk(self, seq: SequenceState) -> int:
+    def _chunk(self, seq: SequenceState, size: int) -> int:
         """Positions of its prompt the next chunk covers: up to the next multiple of
-        chunk_size, not past the prompt; past the prompt (a preempted sequence computing
-        its tokens again) one position, fed alone as when the token was sampled."""
-        start, size = seq.next_position, self.config.chunk_size
+        `size` (chunk_size, or decode_chunk_size beside decode rows), not past the prompt;
+        past the prompt (a preempted sequence computing its tokens again) one position,
+        fed alone as when the token was sampled."""
+        start = seq.next_position
         if start >= len(seq.prompt):
             return 1
         return min((start // size + 1) * size, len(seq.prompt)) - start

@@ -41,6 +41,7 @@ def test_every_listed_flag_parses(tmp_path: Path) -> None:
             "--model", str(tmp_path), "--served-model-name", "m", "--host", "127.0.0.1",
             "--port", "1234", "--max-num-seqs", "2", "--max-model-len", "256",
             "--max-num-batched-tokens", "128", "--page-size", "8", "--prefill-chunk", "64",
+            "--prefill-chunk-beside-decode", "16",
             "--prefix-caching", "false", "--async-scheduling", "false",
             "--gpu-memory-utilization", "0.5", "--dtype", "bfloat16",
             "--max-queued-samples", "5", "--api-key", "secret", "--log-level", "debug",
@@ -60,6 +61,7 @@ def test_every_listed_flag_parses(tmp_path: Path) -> None:
         max_num_batched_tokens=128,
         page_size=8,
         prefill_chunk=64,
+        prefill_chunk_beside_decode=16,
         prefix_caching=False,
         async_scheduling=False,
         gpu_memory_utilization=0.5,
@@ -75,6 +77,7 @@ def test_every_listed_flag_parses(tmp_path: Path) -> None:
         cache_dir=tmp_path / "cache",
     )
     assert config.model_name == "m"
+    assert config.core_config(str(tmp_path)).decode_chunk_size == 16
 
 
 def test_cache_dir_follows_xdg(tmp_path: Path) -> None:
@@ -105,6 +108,7 @@ def test_fault_injection_from_env() -> None:
         (["--max-slots", "0"], {}, "max_num_seqs"),
         (["--dtype", "float16"], {}, "dtype"),
         (["--prefill-chunk", "8"], {}, "prefill_chunk must be at least page_size"),
+        (["--prefill-chunk-beside-decode", "8"], {}, "prefill_chunk_beside_decode must be"),
         (["--gpu-memory-utilization", "1.5"], {}, "gpu_memory_utilization"),
         (["--fault-injection", "everywhere"], {}, "fault_injection"),
         (["--log-format", "xml"], {}, "log_format"),

@@ -323,6 +323,44 @@ def test_a_prompt_chunk_runs_beside_every_decode_row(folder) -> None:  # type: i
     core.scheduler.update(plan, core.runner.step(plan))
 
 
+def test_beside_decode_rows_a_prompt_goes_in_smaller_chunks_with_the_same_tokens(folder) -> None:  # type: ignore[no-untyped-def]
+    """Where the attention backend gives a query the same bits in any chunk (CPU's
+    kernel), a step with decode rows takes prompt chunks of decode_chunk_size: a prompt
+    that arrives while others decode goes in chunks of 8, prompts with nothing decoding
+    in chunks of 16, and every sequence gets the tokens it gets alone (greedy, then
+    seeded with the first pass's prompts as prefix-cache hits)."""
+    core = make(folder, decode_chunk_size=8)
+    assert core.scheduler.config.any_form_hits and core.decode_chunk_size == 8
+    ps = prompts(core.model_config.vocab_size)
+    long = tuple(range(3, 60))
+    chunks: list[tuple[bool, int]] = []  # (decode rows in the step, a prompt chunk's size)
+
+    def step(events: dict[str, list[Emitted]]) -> None:
+        plan = core.scheduler.schedule()
+        assert plan is not None
+        decoding = any(len(r.chunk.tokens) == 1 and r.generated for r in plan.rows)
+        chunks.extend((decoding, len(r.chunk.tokens)) for r in plan.rows if not r.generated)
+        for event in core.scheduler.update(plan, core.runner.step(plan)):
+            events[event.seq_id].append(event)
+
+    for sampling in (GREEDY, SEEDED):
+        events: dict[str, list[Emitted]] = {f"s{i}": [] for i in range(3)} | {"long": []}
+        for seq in seqs_of(ps[:3], sampling, 12):
+            core.add(seq)
+        while any(len(s.output) == 0 for s in core.scheduler.running) or core.scheduler.waiting:
+            step(events)
+        core.add(SequenceState("long", long, sampling, 6))
+        while core.scheduler.busy:
+            step(events)
+        solo = make(folder)
+        for i, p in enumerate([*ps[:3], list(long)]):
+            name, n = (f"s{i}", 12) if i < 3 else ("long", 6)
+            want = tokens_of(run(solo, [SequenceState(name, tuple(p), sampling, n)]))
+            assert [e.token for e in events[name]] == want[name], (sampling, name)
+    assert (False, 16) in chunks  # the 37-token prompt's first chunk, nothing decoding
+    assert (True, 8) in chunks and all(n <= 8 for decoding, n in chunks if decoding)
+
+
 def test_penalties_read_their_own_sequences_counts(folder) -> None:  # type: ignore[no-untyped-def]
     """A penalized sequence gets the same tokens alone (device row 0) and admitted after
     three others (another row, beside rows with counts of their own)."""

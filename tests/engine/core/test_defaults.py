@@ -8,6 +8,7 @@ import pytest
 from engine.attention import ReferenceAttention
 from engine.core.core import CHUNK_SIZE, CoreConfig, backend_shapes
 from engine.core.defaults import AWAITING_MEASUREMENT, BACKEND_DEFAULTS, defaults_for
+from engine.core.scheduler import SchedulerConfig
 from tests.engine.conftest import core_of
 
 
@@ -32,6 +33,30 @@ def test_an_unset_config_takes_the_backends_values(tiny_checkpoint_of) -> None: 
     assert core.runner.layout.page_size == cpu.page_size and not core.runner.layout.head_major
     # "reference" chooses the definition over the CPU's own backend
     assert isinstance(core.attention, ReferenceAttention)
+    # whose chunks keep their alignment beside decode rows (its tiles' bits follow them)
+    assert core.decode_chunk_size == core.chunk_size == 16
+
+
+def test_beside_decode_rows_the_cpu_kernel_takes_its_backends_smaller_chunk(
+    tiny_checkpoint_of,
+) -> None:  # type: ignore[no-untyped-def]
+    """The CPU's attention kernel gives a query the same bits in any chunk, so a step with
+    decode rows takes the backend's smaller chunk (at most the chunk itself); other
+    backends keep one chunk."""
+    cpu = defaults_for("cpu")
+    assert cpu.decode_chunk_size == 32
+    assert defaults_for("tpu").decode_chunk_size is defaults_for("gpu").decode_chunk_size is None
+    folder = tiny_checkpoint_of("llama")
+    core = core_of(folder, num_pages=64, chunk_size=128, max_num_batched_tokens=None)
+    assert core.scheduler.config.any_form_hits
+    assert (core.chunk_size, core.decode_chunk_size) == (128, cpu.decode_chunk_size)
+    assert core.scheduler.config.decode_chunk_size == cpu.decode_chunk_size
+    given = core_of(folder, num_pages=64, chunk_size=128, decode_chunk_size=64)
+    assert given.decode_chunk_size == given.chunk_size == 24  # at most 32 less 4 rows, in 8s
+    with pytest.raises(ValueError, match="needs any_form_hits"):
+        SchedulerConfig(4, 32, 128, 16, decode_chunk_size=8)
+    with pytest.raises(ValueError, match="decode_chunk_size must be in"):
+        SchedulerConfig(4, 32, 128, 16, decode_chunk_size=32, any_form_hits=True)
 
 
 def test_a_gpu_backend_is_refused_elsewhere(tiny_checkpoint_of) -> None:  # type: ignore[no-untyped-def]

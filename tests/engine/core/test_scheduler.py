@@ -83,18 +83,23 @@ requests = st.lists(
     shared=st.booleans(),
     looping=st.booleans(),
     drafts=st.sampled_from([0, 1, 3]),
+    beside_decode=st.sampled_from([0, 4]),
 )
 def test_random_workloads_end_with_their_own_tokens(
-    reqs, seqs, budget, spare, prefill_seqs, shared, looping, drafts
+    reqs, seqs, budget, spare, prefill_seqs, shared, looping, drafts, beside_decode
 ) -> None:  # type: ignore[no-untyped-def]
     """...with n-gram speculation too (drafts > 0): its steps keep the same bounds, a
-    draft's positions have pages, and every sequence still gets its own tokens."""
+    draft's positions have pages, and every sequence still gets its own tokens; and with
+    smaller chunks beside decode rows (beside_decode > 0), which no step exceeds."""
     max_len = 56
     pool = PagePool(max_len // PAGE + spare, PAGE)
     spec = None
     if drafts:
         spec = SpeculativeConfig("ngram", drafts, prompt_lookup_max=3, prompt_lookup_min=1)
-    config = SchedulerConfig(seqs, budget, max_len, 8, prefill_seqs, VOCAB, spec)
+    config = SchedulerConfig(
+        seqs, budget, max_len, 8, prefill_seqs, VOCAB, spec,
+        decode_chunk_size=beside_decode, any_form_hits=beside_decode > 0,
+    )  # fmt: skip
     scheduler, runner = Scheduler(config, pool), FakeRunner(looping)
     if shared:  # every prompt starts the same way: prefix-cache hits
         reqs = [([5, 6, 7, 8, 9, 10, 11, 12, *p], n, t, a) for p, n, t, a in reqs]
@@ -120,6 +125,9 @@ def test_random_workloads_end_with_their_own_tokens(
         assert plan.tokens <= budget
         assert plan.sample_rows <= seqs
         assert sum(1 for r in plan.rows if len(r.chunk.tokens) > 1 or not r.emits) <= (prefill_seqs)
+        prompts = {s.row: len(s.prompt) for s in scheduler.running}
+        if beside_decode and any(r.chunk.start >= prompts[r.row] for r in plan.rows):
+            assert max(len(r.chunk.tokens) for r in plan.rows) <= beside_decode  # decode rows
         holders = {p for r in plan.rows for p in r.chunk.pages}
         for r in plan.rows:
             end = r.chunk.start + len(r.chunk.tokens) + len(r.drafts)
