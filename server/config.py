@@ -51,7 +51,7 @@ class ServerConfig:
     # 1024: engine.core.defaults)
     prefill_chunk: int | None = None
     # per prompt chunk in a step with decode rows, where the attention backend allows it;
-    # None: the backend's (CPU 32, engine.core.defaults)
+    # None: the backend's (engine.core.defaults: prefill_chunk everywhere today)
     prefill_chunk_beside_decode: int | None = None
     page_size: int = 16
     prefix_caching: bool = True  # prompts share cached leading pages (vLLM's default)
@@ -357,7 +357,7 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "prefill_chunk_beside_decode": (
         int,
         "prompt positions per chunk in a step with decode rows, where the attention "
-        "backend gives a query the same bits in any chunk (page multiple; default CPU 32)",
+        "backend gives a query the same bits in any chunk (page multiple; default the chunk)",
     ),
     "page_size": (int, "positions per KV page"),
     "prefix_caching": (_switch, "share prompts' cached leading pages (default on)"),

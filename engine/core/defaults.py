@@ -33,12 +33,11 @@ BACKEND_DEFAULTS = {
     # Served against vLLM on 2 cores, chunks of 128 against 256 (3 rounds): first tokens
     # 0.60-0.68x as late at c = 8 and 32 and the inter-token p99 0.69-0.71x, output tok/s
     # level (bench/README.md, "Prompt rows in the kernel").
-    # Beside decode rows, chunks of 32: a running stream waits one 32-row step, not a
-    # 128-row one, for a new prompt (inter-token p99 at c = 8 166 -> 71 ms, first tokens
-    # 441 -> 270 ms, one round; bench/README.md, "Smaller chunks beside decode rows").
-    "cpu": BackendDefaults(
-        128, 16, 0.9, 'bench/README.md, "Prompt rows in the kernel"', decode_chunk_size=32
-    ),
+    # Beside decode rows, whole chunks too: chunks of 32 there cut the inter-token p99
+    # at c = 8 (175 -> 109 ms) but cost c = 32 a tenth of its output rate and doubled
+    # first tokens at 8 and 32 (bfloat16, 3 rounds against vLLM; bench/README.md,
+    # "Smaller chunks beside decode rows"): --prefill-chunk-beside-decode 32 chooses it.
+    "cpu": BackendDefaults(128, 16, 0.9, 'bench/README.md, "Prompt rows in the kernel"'),
     # A TPU step reads every weight once per chunk: a 1,024-token prompt's roofline time
     # over one pass over the weights and its K/V, the 8B at TP 4 on v6e compiled as the
     # server compiles it: 1.72x in chunks of 512, 1.09x in one chunk of 1,024 (the 1B
