@@ -434,9 +434,10 @@ void Range(const uint16_t* x, const uint16_t* w, float* out, int64_t m, int64_t 
 // products with the 16 outputs' (a fused multiply-add; VDPBF16PS, as bf16::Dot), so an
 // output's sum runs over k in order from zero in one lane: no lane tree to finish, 16
 // outputs stored at once (the lane forms' fixed cost per block of outputs was a quarter
-// of their time at K = 576, bench/README "Packed bfloat16 weights"). Blocking and threading again
-// choose only which accumulators live together: a row's bits are the same at any row
-// count, and float32's the same on every processor (a lane's chain of FMAs in k order).
+// of their time at K = 576, bench/README "Packed bfloat16 weights"). Blocking and
+// threading again choose only which accumulators live together: a row's bits are the
+// same at any row count, and float32's the same on every processor (a lane's chain of
+// FMAs in k order).
 namespace packed {
 
 constexpr int64_t kOutputs = 16;     // outputs a vector holds

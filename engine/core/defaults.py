@@ -1,9 +1,10 @@
 """Per-backend defaults for what the config leaves unset: the one table of them.
 
 Owns: `BACKEND_DEFAULTS` (platform -> `BackendDefaults`) and `defaults_for`. Receives a
-platform name ("cpu", "tpu", "gpu"); emits the prompt chunk, KV page size and memory
-fraction the engine core uses where its config gives None, with where each figure comes
-from. engine.core.core resolves its config through it, once, at start-up.
+platform name ("cpu", "tpu", "gpu"); emits the prompt chunk (and the one beside decode
+rows), KV page size and memory fraction the engine core uses where its config gives None,
+with where each figure comes from. engine.core.core resolves its config through it, once,
+at start-up.
 """
 
 from __future__ import annotations
