@@ -672,30 +672,27 @@ ffi::Error RowDotPackedLayer(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer
 // Whether the bfloat16 kernel runs on AVX512-BF16 here (else on its slow emulation).
 extern "C" int RowDotBf16Native() { return bf16::kNative ? 1 : 0; }
 
-#define ROW_DOT_HANDLERS(SUFFIX, D)                                                     \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDot##SUFFIX, RowDot<D>,                              \
-                                ffi::Ffi::Bind()                                        \
-                                    .Ctx<ffi::ThreadPool>()                             \
-                                    .Arg<ffi::Buffer<D>>()                              \
-                                    .Arg<ffi::Buffer<D>>()                              \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
-                                    .Ret<ffi::Buffer<ffi::F32>>());                     \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotLayer##SUFFIX, RowDotLayer<D>,                    \
-                                ffi::Ffi::Bind()                                        \
-                                    .Ctx<ffi::ThreadPool>()                             \
-                                    .Arg<ffi::Buffer<D>>()                              \
-                                    .Arg<ffi::Buffer<D>>()                              \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
-                                    .Ret<ffi::Buffer<ffi::F32>>());                     \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotPackedLayer##SUFFIX, RowDotPackedLayer<D>,        \
-                                ffi::Ffi::Bind()                                        \
-                                    .Ctx<ffi::ThreadPool>()                             \
-                                    .Arg<ffi::Buffer<D>>()                              \
-                                    .Arg<ffi::Buffer<D>>()                              \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
-                                    .Arg<ffi::Buffer<ffi::S32>>()                       \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+// A layer's binding (x, the stack, the layer index, live rows): the lane and packed forms'.
+#define ROW_DOT_LAYER_BINDING(D)       \
+  ffi::Ffi::Bind()                     \
+      .Ctx<ffi::ThreadPool>()          \
+      .Arg<ffi::Buffer<D>>()           \
+      .Arg<ffi::Buffer<D>>()           \
+      .Arg<ffi::Buffer<ffi::S32>>()    \
+      .Arg<ffi::Buffer<ffi::S32>>()    \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+#define ROW_DOT_HANDLERS(SUFFIX, D)                                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDot##SUFFIX, RowDot<D>,                                   \
+                                ffi::Ffi::Bind()                                             \
+                                    .Ctx<ffi::ThreadPool>()                                  \
+                                    .Arg<ffi::Buffer<D>>()                                   \
+                                    .Arg<ffi::Buffer<D>>()                                   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotLayer##SUFFIX, RowDotLayer<D>, ROW_DOT_LAYER_BINDING(D)); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(RowDotPackedLayer##SUFFIX, RowDotPackedLayer<D>,             \
+                                ROW_DOT_LAYER_BINDING(D));
 
 ROW_DOT_HANDLERS(F32, ffi::F32)
 ROW_DOT_HANDLERS(Bf16, ffi::BF16)
